@@ -1,0 +1,232 @@
+"""One typed config tree. YAML presets and `a.b=c` overrides load into the same classes.
+
+Every field has a default and a description (its help line). Unknown keys and wrong types are
+rejected with a message naming the key and the file: a typo must never silently fall back to a
+default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mappa.errors import MappaError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    name: str = Field(
+        "smollm2-135m-instruct",
+        description="Base model: 'smollm2-135m-instruct' (embedded), a local HF dir, a cached hub id, or a .gguf file.",
+    )
+    agent_weights: Literal["lora", "full", "shared"] = Field(
+        "lora",
+        description="lora: one adapter per agent on one frozen base; full: a full copy per agent; "
+        "shared: one adapter used by every agent (single-policy baseline).",
+    )
+    lora_r: int = Field(16, ge=1, description="LoRA rank.")
+    lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scaling = alpha / r).")
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Module names that get LoRA adapters.",
+    )
+    device: str = Field("auto", description="'auto' (cuda if available else cpu), 'cpu', 'cuda', 'cuda:1', ...")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="'auto': bfloat16 on CUDA, float32 on CPU."
+    )
+    gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the update phase.")
+
+
+class GenerationConfig(Section):
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature for training rollouts.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling for training rollouts.")
+    max_new_tokens: int = Field(256, ge=1, description="Per-action token cap.")
+    max_context_tokens: int = Field(2048, ge=16, description="Longest prompt an agent may see; longer is an error.")
+    batch_size: int = Field(16, ge=1, description="Most sequences in one generate call (larger batches are split).")
+
+
+class SandboxConfig(Section):
+    timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit per snippet.")
+    memory_mb: int = Field(1024, ge=64, description="Address-space limit per snippet.")
+    max_processes: int = Field(64, ge=1, description="Process-count limit per snippet (fork bombs).")
+    max_file_mb: int = Field(64, ge=1, description="Largest file a snippet may write.")
+    max_output_chars: int = Field(8000, ge=100, description="stdout/stderr kept per snippet (rest cut with a marker).")
+    concurrency: int = Field(2, ge=1, description="Snippets running at once.")
+    pool: bool = Field(True, description="Use a warm pool of pre-imported workers (numpy, pandas, sklearn).")
+    preload: list[str] = Field(
+        default_factory=lambda: ["numpy", "pandas", "sklearn"], description="Modules the warm pool pre-imports."
+    )
+    keep_workspaces: bool = Field(False, description="Keep per-episode workspaces for inspection.")
+    observation_chars: int = Field(2000, ge=100, description="Longest tool observation an agent sees.")
+
+
+class CoachConfig(Section):
+    backend: Literal["rubric", "outcome", "openai", "local"] = Field(
+        "rubric", description="rubric: offline rules; outcome: 10/0 on the final answer; openai: any "
+        "OpenAI-compatible endpoint; local: an in-process HF model."
+    )
+    model: str = Field("", description="Coach model name (openai) or model path/name (local).")
+    base_url: str | None = Field(None, description="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1.")
+    api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable that holds the API key.")
+    template: str = Field("", description="Prompt template name; empty: the workflow's default.")
+    temperature: float = Field(0.0, ge=0.0, description="Coach sampling temperature (0: deterministic).")
+    max_tokens: int = Field(512, ge=16, description="Longest coach reply.")
+    concurrency: int = Field(8, ge=1, description="Coach calls in flight at once.")
+    timeout_s: float = Field(60.0, gt=0, description="Per-request timeout.")
+    max_retries: int = Field(4, ge=0, description="Retries on 429/5xx/timeouts (exponential backoff with jitter).")
+    expected_score: bool = Field(
+        True, description="Score = probability-weighted mean over score tokens when logprobs are available."
+    )
+    cache: bool = Field(True, description="Cache judgments in SQLite; re-scoring costs zero calls.")
+    cache_path: str = Field("", description="SQLite cache file; empty: <MAPPA_CACHE>/coach_cache.sqlite.")
+    on_unscored: Literal["skip", "neutral"] = Field(
+        "skip", description="Unscored actions: skip = left out of training; neutral = score 5."
+    )
+    price_prompt_per_m: float = Field(0.0, ge=0, description="USD per million prompt tokens (cost accounting).")
+    price_completion_per_m: float = Field(0.0, ge=0, description="USD per million completion tokens.")
+
+
+class WorkflowConfig(Section):
+    name: str = Field("mathchat", description="Workflow name (see mappa.workflows.WORKFLOWS).")
+    coder_max_turns: int = Field(2, ge=1, description="MathChat: Code Executor turn cap.")
+    show_coach_feedback: bool = Field(
+        False, description="Later agents see earlier agents' coach rationales (off in the published code)."
+    )
+
+
+class TasksConfig(Section):
+    data_dir: str | None = Field(None, description="Directory of the math data; default $MAPPA_DATA_DIR.")
+    train: list[str] = Field(default_factory=lambda: ["arithmetic"], description="Training sources.")
+    eval: list[str] = Field(default_factory=lambda: ["arithmetic"], description="Held-out evaluation sources.")
+    train_size: int | None = Field(None, ge=1, description="Draw this many training tasks (seeded); None: all.")
+    eval_size: int | None = Field(None, ge=1, description="Use this many eval tasks (seeded); None: all.")
+    arithmetic_levels: list[int] = Field(
+        default_factory=lambda: [1, 2, 3], description="Difficulty levels of the generated arithmetic tasks."
+    )
+    arithmetic_train_size: int = Field(512, ge=1, description="Generated arithmetic training tasks.")
+    arithmetic_eval_size: int = Field(32, ge=1, description="Generated arithmetic eval tasks (disjoint seed).")
+
+
+class TrainConfig(Section):
+    steps: int = Field(10, ge=0, description="Optimizer steps (one rollout batch each).")
+    prompts_per_step: int = Field(4, ge=1, description="Tasks per step.")
+    samples_per_prompt: int = Field(2, ge=1, description="Episodes per task per step.")
+    lr: float = Field(1e-6, gt=0, description="Learning rate (peak).")
+    agent_lr: dict[str, float] = Field(default_factory=dict, description="Per-agent learning rate overrides.")
+    warmup_ratio: float = Field(0.03, ge=0, le=1, description="Linear warm-up fraction of steps.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decays to this fraction of lr.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip per agent.")
+    kl_coef: float = Field(0.01, ge=0, description="k1 KL penalty in the token reward (not the loss).")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount within an action.")
+    clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip.")
+    micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward.")
+    drop_truncated: bool = Field(True, description="Leave actions cut off by the token cap out of the loss.")
+    eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0: only at start and end).")
+    checkpoint_every: int = Field(1, ge=1, description="Checkpoint every N steps.")
+    self_test: bool = Field(True, description="Run the start-up self-test before the first step.")
+
+
+class EvalConfig(Section):
+    samples: int = Field(1, ge=1, description="Samples per eval task.")
+    temperature: float = Field(0.6, ge=0, description="Eval sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Eval nucleus sampling.")
+    max_tasks: int | None = Field(None, ge=1, description="Evaluate on at most this many tasks.")
+
+
+class LoggingConfig(Section):
+    tensorboard: bool = Field(True, description="Write TensorBoard events beside metrics.jsonl.")
+    wandb_project: str | None = Field(None, description="Log to W&B when set and wandb is installed.")
+
+
+class Config(Section):
+    seed: int = Field(42, description="One seed for data sampling, generation and init.")
+    run_dir: str = Field("runs/{name}-{time}", description="Run directory; {name} and {time} are filled in.")
+    name: str = Field("run", description="Run name.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    coach: CoachConfig = Field(default_factory=CoachConfig)
+    workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
+    tasks: TasksConfig = Field(default_factory=TasksConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise MappaError(f"override {key!r}: {p!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=c` -> ("a.b", value parsed as YAML, so 3 is an int, [1,2] a list, null None)."""
+    if "=" not in text:
+        raise MappaError(f"override {text!r}: expected KEY=VALUE, e.g. train.steps=5")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise MappaError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def config_from_dict(data: dict[str, Any], source: str = "<config>") -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            raise MappaError(f"{source}: unknown key {loc!r}") from None
+        raise MappaError(f"{source}: {loc}: {err['msg']} (got {err.get('input')!r})") from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML preset (or the defaults when `path` is None) and apply `a.b=c` overrides."""
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise MappaError(f"{p}: config file not found")
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f":{mark.line + 1}" if mark is not None else ""
+            raise MappaError(f"{p}{where}: invalid YAML") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise MappaError(f"{p}: top level must be a mapping of sections")
+        data = loaded
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(data, key, value)
+    if overrides:
+        source += " (with --set overrides)"
+    return config_from_dict(data, source)
+
+
+def dump_config(cfg: Config) -> str:
+    """YAML text that `load_config` reads back into an equal Config."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

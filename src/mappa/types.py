@@ -1,0 +1,145 @@
+"""Typed, frozen records that flow through mappa: tasks, actions, tool results, coach scores, episodes.
+
+Every record is a frozen pydantic model so it round-trips through JSONL losslessly
+(`record.model_dump_json()` / `Record.model_validate_json(line)`) and rejects unknown fields.
+Token-level data is stored as tuples of ints/floats (one entry per token), not tensors, so that
+episodes are plain data; the trainer turns them into padded tensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mappa.errors import MappaError
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Message(Record):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class Task(Record):
+    id: str
+    problem: str
+    answer: str  # gold answer as text ("80", "\\frac{1}{2}"); several accepted answers joined by " or "
+    source: str  # "aime", "amc", "math500", "gsm8k", "arithmetic", ...
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+class ExecResult(Record):
+    """What happened when one snippet of agent code ran in the sandbox."""
+
+    ok: bool  # exited 0, no limit hit, no infra error
+    exit_code: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    timed_out: bool = False
+    memory_exceeded: bool = False
+    killed_signal: int | None = None
+    duration_s: float = 0.0
+    files_created: tuple[str, ...] = ()
+    files_changed: tuple[str, ...] = ()
+    # Set when the sandbox itself failed (could not start, pool died, ...): the action is then kept
+    # out of the rewards instead of being blamed for an infrastructure fault.
+    infra_error: str | None = None
+
+
+class CoachScore(Record):
+    """One coach judgment of one action. `score is None` means unscored: never invent a reward."""
+
+    score: float | None  # 0..10, or None when the reply had no parseable score or the call failed
+    rationale: str = ""
+    raw_reply: str = ""
+    error: str | None = None
+    answer_correct: bool | None = None  # only for the final agent
+    latency_s: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    backend: str = ""
+    model: str = ""
+    cached: bool = False
+
+
+class CoachContext(Record):
+    """The declared, audited evidence a coach sees for one action (method.md section 3).
+
+    Built by the workflow, which alone knows what the agent saw. `ground_truth` is filled only
+    when `is_final` is true: the coach must judge earlier agents on the evidence, not the answer.
+    """
+
+    task: str  # the task text
+    workflow: str
+    agent: str
+    role: str  # the agent's role description
+    is_final: bool  # the last agent of the workflow
+    messages: tuple[Message, ...]  # the agent's exact input
+    output: str  # its raw output
+    observation: str  # tool stdout+stderr (<= 2000 chars) or "no tool used"
+    files_visible: tuple[str, ...] = ()  # file-passing workflows: files the agent could see
+    files_by_agent: dict[str, tuple[str, ...]] = Field(default_factory=dict)  # files each earlier agent saved
+    ground_truth: str | None = None  # only for the final agent
+    extra: dict[str, Any] = Field(default_factory=dict)  # workflow-specific evidence (e.g. test metrics)
+
+
+class Action(Record):
+    """One full generation of one agent, plus the tool call it triggered and its coach score."""
+
+    agent: str
+    turn: int  # 0-based turn index of this agent within the episode
+    messages: tuple[Message, ...]  # exactly the chat the agent saw (full multi-turn context)
+    text: str  # decoded response
+    prompt_ids: tuple[int, ...] = ()  # (P,) chat-templated prompt tokens
+    response_ids: tuple[int, ...] = ()  # (T,) sampled tokens, EOS included when generated
+    logprobs: tuple[float, ...] = ()  # (T,) log pi_old(a_t | s) at sampling time
+    truncated: bool = False  # hit the per-action token cap without EOS
+    exec_result: ExecResult | None = None  # None: the action held no code
+    coach: CoachScore | None = None
+
+
+class Episode(Record):
+    id: str
+    workflow: str
+    task: Task
+    actions: tuple[Action, ...] = ()
+    final_answer: str | None = None  # the final agent's extracted answer text
+    correct: bool | None = None  # rule-based outcome check against task.answer
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+R = TypeVar("R", bound=Record)
+
+
+def write_jsonl(path: str | Path, records: list[Record], append: bool = False) -> None:
+    """Write one JSON line per record; flushes so a killed process leaves whole lines behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a" if append else "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(rec.model_dump_json() + "\n")
+        f.flush()
+
+
+def read_jsonl(path: str | Path, cls: type[R]) -> list[R]:
+    """Read records of type `cls`; a malformed line raises MappaError naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise MappaError(f"{path}: file not found")
+    out: list[R] = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                out.append(cls.model_validate_json(line))
+            except ValidationError as e:
+                first = e.errors()[0]
+                loc = ".".join(str(p) for p in first["loc"]) or "line"
+                raise MappaError(f"{path}:{lineno}: not a valid {cls.__name__} record ({loc}: {first['msg']})") from None
+    return out
