@@ -18,7 +18,12 @@ def _add_config_args(p: argparse.ArgumentParser, config_required: bool = True) -
     else:
         p.add_argument("--config", default=None, help="YAML preset (default: built-in defaults)")
     p.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.steps=5"
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override, e.g. train.steps=5",
     )
 
 

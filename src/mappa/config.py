@@ -69,8 +69,9 @@ class SandboxConfig(Section):
 
 class CoachConfig(Section):
     backend: Literal["rubric", "outcome", "openai", "local"] = Field(
-        "rubric", description="rubric: offline rules; outcome: 10/0 on the final answer; openai: any "
-        "OpenAI-compatible endpoint; local: an in-process HF model."
+        "rubric",
+        description="rubric: offline rules; outcome: 10/0 on the final answer; openai: any "
+        "OpenAI-compatible endpoint; local: an in-process HF model.",
     )
     model: str = Field("", description="Coach model name (openai) or model path/name (local).")
     base_url: str | None = Field(None, description="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1.")

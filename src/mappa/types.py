@@ -141,5 +141,7 @@ def read_jsonl(path: str | Path, cls: type[R]) -> list[R]:
             except ValidationError as e:
                 first = e.errors()[0]
                 loc = ".".join(str(p) for p in first["loc"]) or "line"
-                raise MappaError(f"{path}:{lineno}: not a valid {cls.__name__} record ({loc}: {first['msg']})") from None
+                raise MappaError(
+                    f"{path}:{lineno}: not a valid {cls.__name__} record ({loc}: {first['msg']})"
+                ) from None
     return out
