@@ -1,0 +1,461 @@
+"""The sandbox under hostile code: one adversarial property per test, each in a cold run and in the warm pool.
+
+Everything here is real: bubblewrap (or the fallback), real subprocesses, a real TCP server on 127.0.0.1.
+Each adversarial test ends by checking that the test process itself is unharmed and that nothing the
+snippet started is still running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from mappa.config import SandboxConfig
+from mappa.errors import MappaError
+from mappa.sandbox import Sandbox, confine, new_workspace, remove_workspace, run_python, workspace_root
+from mappa.sandbox.execute import BoundedStream, Limits, run_cold
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 1.5
+LIMITS = dict(timeout_s=TIMEOUT, memory_mb=256, max_processes=32, max_file_mb=8, max_output_chars=2000)
+IS_ROOT = os.geteuid() == 0
+HAS_BWRAP = confine.detect_confinement().kind == "bwrap"
+needs_bwrap = pytest.mark.skipif(not HAS_BWRAP, reason="bubblewrap is not usable here")
+
+
+@pytest.fixture(scope="module")
+def pool_sandbox():
+    cfg = SandboxConfig(pool=True, preload=["numpy"], concurrency=2, **LIMITS)
+    with Sandbox(cfg) as sb:
+        yield sb
+
+
+@pytest.fixture(params=["cold", "pool"])
+def run(request, pool_sandbox):
+    """run(code, ws) -> ExecResult, once through a fresh interpreter and once through the warm pool."""
+    if request.param == "cold":
+        return lambda code, ws, timeout_s=TIMEOUT: run_python(code, ws, **{**LIMITS, "timeout_s": timeout_s})
+    return lambda code, ws, timeout_s=TIMEOUT: pool_sandbox.run(code, ws, timeout_s=timeout_s)
+
+
+@pytest.fixture
+def ws():
+    path = new_workspace()
+    yield path
+    remove_workspace(path)
+
+
+def live_processes_of(uid: int) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["uids", "status"]):
+        if p.info["uids"] and p.info["uids"].real == uid and p.info["status"] != psutil.STATUS_ZOMBIE:
+            out.append(p)
+    return out
+
+
+def assert_host_unharmed(ws: Path) -> None:
+    """The test process can still start processes, and the snippet's uid has nothing left running."""
+    assert subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True, text=True).stdout == "42\n"
+    if IS_ROOT:
+        uid = ws.stat().st_uid
+        assert uid >= confine.UID_BASE
+        deadline = time.monotonic() + 2
+        while live_processes_of(uid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert live_processes_of(uid) == []
+
+
+# --- basic behaviour --------------------------------------------------------------------------------
+
+
+def test_runs_code_and_reports_output_exit_code_and_files(run, ws):
+    (ws / "old.txt").write_text("a")
+    os.chmod(ws / "old.txt", 0o666)
+    code = "import sys\nprint('out')\nprint('err', file=sys.stderr)\nopen('new.txt','w').write('n')\n"
+    code += "open('old.txt','a').write('bb')\nsys.exit(3)\n"
+    r = run(code, ws)
+    assert (r.stdout, r.stderr, r.exit_code, r.ok) == ("out\n", "err\n", 3, False)
+    assert r.files_created == ("new.txt",) and r.files_changed == ("old.txt",)
+    assert r.infra_error is None and not r.timed_out and not r.memory_exceeded
+    r = run("print(sum(range(10)))", ws)
+    assert r.ok and r.stdout == "45\n" and r.exit_code == 0 and r.files_created == ()
+
+
+def test_workspace_persists_across_calls_and_holds_task_files(run):
+    ws = new_workspace({"data/x.csv": b"a,b\n1,2\n3,4\n"})
+    try:
+        r1 = run("import pickle\nrows = open('data/x.csv').read().split()\npickle.dump(rows, open('m.pkl','wb'))", ws)
+        assert r1.ok and r1.files_created == ("m.pkl",)
+        r2 = run("import pickle\nprint(pickle.load(open('m.pkl','rb')))", ws)
+        assert r2.ok and r2.stdout == "['a,b', '1,2', '3,4']\n"
+    finally:
+        remove_workspace(ws)
+    assert not ws.exists()
+
+
+def test_snippet_errors_are_not_infra_errors(run, ws):
+    r = run("def f(:\n  pass", ws)
+    assert r.exit_code == 1 and "SyntaxError" in r.stderr and r.infra_error is None
+    r = run("x = 1\nraise ValueError('bad value')", ws)
+    assert r.exit_code == 1 and r.stderr.rstrip().endswith("ValueError: bad value") and r.infra_error is None
+    assert 'File "<snippet>", line 2' in r.stderr and "runner.py" not in r.stderr
+
+
+# --- adversarial properties -------------------------------------------------------------------------
+
+
+def test_infinite_loop_is_killed_at_the_timeout(run, ws):
+    start = time.monotonic()
+    r = run("print('started', flush=True)\nwhile True:\n    pass", ws)
+    elapsed = time.monotonic() - start
+    assert r.timed_out and not r.ok and r.killed_signal == 9 and r.infra_error is None
+    assert r.stdout == "started\n"  # what it printed before the kill is kept
+    assert TIMEOUT <= elapsed < TIMEOUT + 3
+    assert_host_unharmed(ws)
+
+
+BUSY_CHILD = """
+import os, time
+if os.fork() == 0:
+    os.setsid()  # try to escape the process group
+    while True:
+        with open('beat', 'a') as f:
+            f.write('x')
+        time.sleep(0.02)
+while True:
+    pass
+"""
+
+
+def test_busy_child_in_its_own_session_dies_with_the_timeout(run, ws):
+    r = run(BUSY_CHILD, ws)
+    assert r.timed_out
+    size = (ws / "beat").stat().st_size
+    assert size > 0
+    time.sleep(0.4)
+    assert (ws / "beat").stat().st_size == size, "the child kept running after the timeout"
+    assert_host_unharmed(ws)
+
+
+def test_background_process_left_behind_is_killed_and_does_not_hold_the_result(run, ws):
+    code = "import subprocess\nsubprocess.Popen(['sleep', '30'], start_new_session=True)\nprint('bye')"
+    start = time.monotonic()
+    r = run(code, ws)
+    assert r.ok and r.stdout == "bye\n"
+    assert time.monotonic() - start < TIMEOUT  # not held until the sleep or the timeout
+    assert_host_unharmed(ws)
+
+
+def test_memory_bomb_is_reported_as_memory_exceeded(run, ws):
+    # A generous timeout: touching 256 MB takes a while on a busy machine, and it must fail on memory first.
+    r = run("chunks = []\nwhile True:\n    chunks.append(bytearray(16 * 2**20))", ws, timeout_s=10)
+    assert r.memory_exceeded and not r.ok and not r.timed_out and r.infra_error is None
+    assert "MemoryError" in r.stderr
+    r = run("import numpy as np\na = np.ones((2**16, 2**16))", ws, timeout_s=10)
+    assert r.memory_exceeded
+    assert_host_unharmed(ws)
+
+
+def test_cpu_time_limit_kills_and_reports_a_timeout(ws):
+    # The CPU limit is normally above the wall clock; it matters for native code burning several cores.
+    limits = Limits(timeout_s=30, memory_mb=256, cpu_s=1)
+    start = time.monotonic()
+    r = run_cold("while True:\n    pass", ws, limits, confine.detect_confinement())
+    assert r.timed_out and r.killed_signal == signal.SIGXCPU and not r.ok
+    assert time.monotonic() - start < 15
+    assert_host_unharmed(ws)
+
+
+def test_fork_bomb_is_contained_by_the_process_limit(run, ws):
+    r = run("import os\nwhile True:\n    os.fork()", ws)
+    assert not r.ok and r.infra_error is None
+    assert "BlockingIOError" in r.stderr or r.timed_out  # fork() refused at the limit
+    assert_host_unharmed(ws)
+    assert run("print('next')", ws).stdout == "next\n"
+
+
+def test_file_size_limit(run, ws):
+    r = run("open('big.bin', 'wb').write(b'x' * (9 * 2**20))", ws)
+    assert not r.ok and "File too large" in r.stderr
+    assert (ws / "big.bin").stat().st_size <= 8 * 2**20
+
+
+def test_100mb_of_output_is_cut_and_costs_the_host_no_memory(run, ws):
+    me = psutil.Process()
+    before = me.memory_info().rss
+    r = run("import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 2**20)\nprint('END')", ws)
+    grown = me.memory_info().rss - before
+    assert r.ok
+    assert len(r.stdout) < 2200 and r.stdout.startswith("xxx") and r.stdout.rstrip().endswith("END")
+    cut = 100 * 2**20 + 4 - 2000
+    assert f"[... {cut} bytes of output cut ...]" in r.stdout
+    assert grown < 32 * 2**20
+
+
+@needs_bwrap
+@pytest.mark.parametrize("target", ["/tmp/mappa-escape", "/etc/mappa-escape", str(REPO / "mappa-escape")])
+def test_cannot_write_outside_the_workspace(run, ws, target):
+    r = run(f"open({target!r}, 'w').write('pwned')", ws)
+    assert not r.ok and ("Read-only file system" in r.stderr or "Permission denied" in r.stderr)
+    assert not os.path.exists(target)
+    r = run(f"import shutil\nshutil.rmtree({str(REPO / 'src')!r})", ws)
+    assert not r.ok and (REPO / "src" / "mappa" / "sandbox" / "runner.py").is_file()
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="the uid drop applies when started as root")
+def test_cannot_read_root_only_files(run, ws):
+    r = run("print(open('/etc/shadow').read())", ws)
+    assert not r.ok and "Permission denied" in r.stderr and r.stdout == ""
+
+
+def test_environment_is_scrubbed(run, ws, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-very-secret")
+    monkeypatch.setenv("HF_TOKEN", "hf-test-very-secret")
+    code = "import os\nprint(dict(os.environ))\nimport glob\nfor p in glob.glob('/proc/*/environ'):\n"
+    code += "    try:\n        print(open(p, 'rb').read())\n    except OSError:\n        pass"
+    r = run(code, ws)
+    assert r.ok
+    assert "very-secret" not in r.stdout
+    assert "OPENAI_API_KEY" not in r.stdout
+
+
+def test_no_network_access(run, ws):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    accepted = []
+
+    def accept():
+        try:
+            accepted.append(server.accept())
+        except OSError:
+            pass
+
+    t = threading.Thread(target=accept)
+    t.start()
+    try:
+        code = f"import socket\ns = socket.socket()\ns.settimeout(1)\ns.connect(('127.0.0.1', {port}))\nprint('connected')"
+        r = run(code, ws)
+    finally:
+        t.join()
+        server.close()
+    assert not r.ok and "connected" not in r.stdout
+    assert "unreachable" in r.stderr or "refused" in r.stderr
+    assert accepted == []
+
+
+def test_killing_its_parent_does_not_harm_the_host(run, ws):
+    r = run(
+        "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.kill(-1, signal.SIGKILL)\nprint('alive')", ws
+    )
+    assert r.infra_error is None
+    assert_host_unharmed(ws)
+    assert run("print('still works')", ws).stdout == "still works\n"
+
+
+def test_closed_stdout_and_stderr(run, ws):
+    r = run("import os\nos.close(1)\nos.close(2)\nprint('lost')\nraise SystemExit(5)", ws)
+    assert r.infra_error is None and not r.timed_out
+    assert r.stdout == "" and r.exit_code in (1, 5)
+    assert_host_unharmed(ws)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="workspaces get their own uids when started as root")
+def test_workspaces_cannot_see_each_other(run, ws):
+    other = new_workspace({"secret.txt": b"episode 2 data"})
+    try:
+        # Cold: the other workspace is not even mounted; pool: mounted, but owned by another uid, mode 0700.
+        r = run(f"print(open({str(other / 'secret.txt')!r}).read())", ws)
+        assert not r.ok and ("Permission denied" in r.stderr or "No such file" in r.stderr)
+        assert "episode 2" not in r.stdout
+        r = run(f"import os\nprint(os.listdir({str(workspace_root())!r}))", ws)
+        assert other.name not in r.stdout
+    finally:
+        remove_workspace(other)
+
+
+# --- the warm pool ----------------------------------------------------------------------------------
+
+
+def test_pool_state_does_not_leak_between_snippets(pool_sandbox, ws):
+    r = pool_sandbox.run(
+        "import numpy, builtins, sys, os\nLEAK = 1\nnumpy.pi = 3\nbuiltins.leaked = True\n"
+        "sys.modules['leaky'] = sys\nos.environ['LEAK'] = '1'\nprint(numpy.pi)",
+        ws,
+    )
+    assert r.stdout == "3\n"
+    r = pool_sandbox.run(
+        "import numpy, builtins, sys, os\n"
+        "print('LEAK' in globals(), numpy.pi == 3, hasattr(builtins, 'leaked'), 'leaky' in sys.modules, 'LEAK' in os.environ)",
+        ws,
+    )
+    assert r.ok and r.stdout == "False False False False False\n"
+
+
+def test_pool_children_start_with_the_modules_preloaded(pool_sandbox, ws):
+    r = pool_sandbox.run("import sys\nprint('numpy' in sys.modules)", ws)
+    assert r.stdout == "True\n"
+
+
+def test_pool_server_death_is_an_infra_error_and_the_pool_recovers(ws):
+    cfg = SandboxConfig(pool=True, preload=[], **LIMITS)
+    with Sandbox(cfg) as sb:
+        assert sb.run("print(1)", ws).ok
+        pid = sb.pool.pid
+        server = [
+            p for p in psutil.Process(pid).children(recursive=True) if p.name() != "bwrap" and "serve" in p.cmdline()
+        ]
+        assert len(server) == 1
+        threading.Timer(0.3, server[0].kill).start()  # the server crashes while a snippet runs
+        r = sb.run("import time\ntime.sleep(1)", ws)
+        assert r.infra_error is not None and "pool server" in r.infra_error and not r.ok
+        r = sb.run("print('recovered')", ws)
+        assert r.ok and r.stdout == "recovered\n" and sb.pool.pid != pid
+
+
+def test_pool_outlives_the_thread_that_started_it(ws):
+    with Sandbox(SandboxConfig(pool=True, preload=[], **LIMITS)) as sb:
+        t = threading.Thread(target=sb.run, args=("print(1)", ws))
+        t.start()
+        t.join()
+        pid = sb.pool.pid
+        time.sleep(0.2)
+        r = sb.run("print(2)", ws)
+        assert r.ok and r.stdout == "2\n" and sb.pool.pid == pid
+
+
+def test_run_many_runs_concurrently_in_input_order(pool_sandbox):
+    wss = [new_workspace() for _ in range(4)]
+    try:
+        items = [(f"import time\ntime.sleep(0.6)\nprint({i})", w) for i, w in enumerate(wss)]
+        start = time.monotonic()
+        results = pool_sandbox.run_many(items)
+        elapsed = time.monotonic() - start
+    finally:
+        for w in wss:
+            remove_workspace(w)
+    assert [r.stdout for r in results] == ["0\n", "1\n", "2\n", "3\n"]
+    assert elapsed < 4 * 0.6  # two at a time: about 1.2 s
+
+
+def test_workspace_outside_the_root_runs_cold(pool_sandbox, tmp_path):
+    r = pool_sandbox.run("print('here')", tmp_path)
+    assert r.ok and r.stdout == "here\n"
+
+
+# --- infrastructure faults and user errors ----------------------------------------------------------
+
+
+def test_sandbox_that_cannot_start_reports_infra_error(ws, monkeypatch):
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python3")
+    r = run_python("print(1)", ws, **LIMITS)
+    assert r.infra_error is not None and not r.ok and r.exit_code is None
+
+
+def test_missing_workspace_is_a_user_error(tmp_path):
+    with pytest.raises(MappaError, match="not a directory"):
+        run_python("print(1)", tmp_path / "missing")
+
+
+def test_new_workspace_rejects_paths_that_escape_and_keeps_on_request():
+    with pytest.raises(MappaError, match="relative path"):
+        new_workspace({"../evil.txt": b"x"})
+    kept = new_workspace({"a.txt": b"1"}, keep=True)
+    remove_workspace(kept)
+    assert (kept / "a.txt").read_bytes() == b"1"
+    remove_workspace(kept, force=True)
+    assert not kept.exists()
+
+
+def test_bounded_stream_keeps_head_and_tail():
+    s = BoundedStream(100)
+    for i in range(1000):
+        s.feed(f"{i:04d}".encode())
+    text = s.text()
+    assert text.startswith("00000001") and text.endswith("0999")
+    assert "[... 3900 bytes of output cut ...]" in text
+    small = BoundedStream(100)
+    small.feed(b"hello")
+    assert small.text() == "hello"
+
+
+# --- the fallback confinement -----------------------------------------------------------------------
+
+
+def test_missing_bwrap_falls_back_with_a_one_time_warning(tmp_path, monkeypatch):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("unshare", "setpriv"):
+        if shutil.which(tool):
+            (bindir / tool).symlink_to(shutil.which(tool))
+    monkeypatch.setenv("PATH", str(bindir))
+    confine._detect.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="bubblewrap unavailable"):
+            c = confine.detect_confinement("auto")
+        assert c.kind == "fallback"
+        with pytest.raises(MappaError, match="bubblewrap"):
+            confine.detect_confinement("bwrap")
+    finally:
+        confine._detect.cache_clear()
+
+
+def fallback_run(code: str, ws: Path):
+    return run_python(code, ws, confinement="fallback", **LIMITS)
+
+
+def test_fallback_kills_timeouts_and_escaped_children(ws):
+    r = fallback_run(BUSY_CHILD, ws)
+    assert r.timed_out
+    size = (ws / "beat").stat().st_size
+    time.sleep(0.4)
+    assert (ws / "beat").stat().st_size == size
+    assert_host_unharmed(ws)
+
+
+def test_fallback_limits_memory_and_scrubs_the_environment(ws, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-very-secret")
+    assert fallback_run("x = bytearray(2**30)", ws).memory_exceeded
+    r = fallback_run("import os\nprint(dict(os.environ))", ws)
+    assert r.ok and "very-secret" not in r.stdout
+
+
+@pytest.mark.skipif(not confine.detect_confinement("fallback").net_prefix, reason="unshare -n is not allowed here")
+def test_fallback_blocks_the_network_where_unshare_works(ws):
+    r = fallback_run("import socket\ns = socket.socket()\ns.settimeout(1)\ns.connect(('127.0.0.1', 9))", ws)
+    assert not r.ok and "unreachable" in r.stderr
+
+
+# --- the command line ---------------------------------------------------------------------------------
+
+
+def test_cli_prints_the_result_as_json(tmp_path):
+    script = tmp_path / "snippet.py"
+    script.write_text("import sys\nprint('hi')\nsys.exit(4)\n")
+    mappa = [str(Path(sys.executable).with_name("mappa"))]
+    done = subprocess.run([*mappa, "sandbox", "run", str(script), "--timeout", "5"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["stdout"] == "hi\n" and result["exit_code"] == 4 and result["ok"] is False
+    work = tmp_path / "work"
+    script.write_text("open('made.txt', 'w').write('x')")
+    done = subprocess.run(
+        [*mappa, "sandbox", "run", str(script), "--workspace", str(work)], capture_output=True, text=True
+    )
+    assert done.returncode == 0 and json.loads(done.stdout)["files_created"] == ["made.txt"]
+    assert (work / "made.txt").exists()
+    done = subprocess.run([*mappa, "sandbox", "run", str(tmp_path / "nope.py")], capture_output=True, text=True)
+    assert done.returncode == 2 and "nope.py" in done.stderr and len(done.stderr.strip().splitlines()) == 1
