@@ -19,10 +19,10 @@ $(STAMP): pyproject.toml requirements.lock
 	touch $@
 
 demo: $(STAMP)
-	$(BIN)/mappa train configs/demo.yaml
+	$(BIN)/mappa train configs/demo.yaml $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(ARGS)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ''
