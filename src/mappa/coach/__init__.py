@@ -1,0 +1,327 @@
+"""The coach: a 0-10 score with a rationale for every action (method.md section 3).
+
+A coach is a small async protocol (`score(context) -> CoachScore`); the backends live in one
+explicit dict, `COACHES`. `build_coach` wraps the chosen backend in a `CoachRunner`, which adds what
+every backend needs alike: a concurrency limit, the SQLite judgment cache, and accounting (calls,
+cache hits, retries, failures, unscored, latency, tokens, cost).
+
+Unscored is a first-class outcome: when a reply has no score line after one follow-up, or the
+endpoint fails after its retries, `CoachScore.score` is None. Nothing invents a 5.0; the trainer
+decides with `training_score(score, cfg.on_unscored)` whether such an action is skipped or neutral.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from mappa.coach.cache import JudgmentCache, cache_key, context_hash
+from mappa.coach.judge import REQUEST_FAILED
+from mappa.coach.parse import expected_score, parse_answer_correct, parse_score
+from mappa.coach.prompts import TEMPLATES, Template, build_messages, template_for
+from mappa.config import CoachConfig
+from mappa.types import CoachContext, CoachScore, Episode
+
+__all__ = [
+    "COACHES",
+    "TEMPLATES",
+    "CallCounters",
+    "Coach",
+    "CoachRunner",
+    "build_coach",
+    "build_messages",
+    "expected_score",
+    "feedback_note",
+    "parse_answer_correct",
+    "parse_score",
+    "training_score",
+]
+
+
+@dataclass
+class CallCounters:
+    """Per-backend counters the runner cannot see from the outside (one coach call may be several requests)."""
+
+    calls: int = 0  # requests sent to the endpoint / model, follow-ups and retries included
+    retries: int = 0  # requests repeated after a 429, 5xx, timeout or connection error
+    failures: int = 0  # judgments abandoned after the last retry (or an unusable response)
+
+
+class Coach(Protocol):
+    name: str  # backend name; part of the cache key
+    model: str  # coach model; part of the cache key
+    version: str  # template or rules version; part of the cache key
+    cacheable: bool  # worth caching (costs calls); the free rule-based coaches are not
+    counters: CallCounters
+
+    async def score(self, ctx: CoachContext) -> CoachScore: ...
+
+    async def aclose(self) -> None: ...
+
+
+def training_score(score: CoachScore | None, on_unscored: str = "skip") -> float | None:
+    """The reward in [0, 10] the trainer uses: None = leave the action out of training.
+
+    `on_unscored="neutral"` maps unscored actions to 5.0, an explicit user choice, never a default.
+    """
+    if score is not None and score.score is not None:
+        return score.score
+    return 5.0 if on_unscored == "neutral" else None
+
+
+def feedback_note(agent: str, score: CoachScore) -> str:
+    """The text later agents see when `workflow.show_coach_feedback` is on."""
+    if score.score is None:
+        return f"Coach feedback on {agent}: unscored."
+    return f"Coach feedback on {agent} ({score.score:g}/10): {score.rationale}"
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+T = TypeVar("T")
+
+
+class CoachRunner:
+    """Runs a coach over many contexts: concurrency limit, cache, accounting; sync and async entry points.
+
+    The sync entry point runs the async work on a private event loop in a daemon thread, so it
+    works the same from scripts, from the trainer, and from code that already runs an event loop.
+    """
+
+    def __init__(self, coach: Coach, cfg: CoachConfig, cache: JudgmentCache | None = None) -> None:
+        self.coach = coach
+        self.cfg = cfg
+        self.cache = cache
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._sem: asyncio.Semaphore | None = None
+        self._inflight: dict[str, asyncio.Future[CoachScore]] = {}
+        self.reset_stats()
+
+    # -- accounting -------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        self._judgments = 0
+        self._cache_hits = 0
+        self._unscored = 0
+        self._latencies: list[float] = []
+        self._prompt_tokens = 0
+        self._completion_tokens = 0
+        self._base = CallCounters(**vars(self.coach.counters))
+
+    def stats(self) -> dict[str, float]:
+        """Accounting since construction or the last `reset_stats()` (log it as `coach/<key>`)."""
+        c = self.coach.counters
+        cost = (
+            self._prompt_tokens * self.cfg.price_prompt_per_m
+            + self._completion_tokens * self.cfg.price_completion_per_m
+        ) / 1e6
+        return {
+            "judgments": float(self._judgments),
+            "calls": float(c.calls - self._base.calls),
+            "cache_hits": float(self._cache_hits),
+            "retries": float(c.retries - self._base.retries),
+            "failures": float(c.failures - self._base.failures),
+            "unscored": float(self._unscored),
+            "unscored_rate": self._unscored / self._judgments if self._judgments else 0.0,
+            "latency_p50_s": _percentile(self._latencies, 0.5),
+            "latency_p95_s": _percentile(self._latencies, 0.95),
+            "prompt_tokens": float(self._prompt_tokens),
+            "completion_tokens": float(self._completion_tokens),
+            "cost_usd": cost,
+        }
+
+    # -- scoring ----------------------------------------------------------------------------
+    def _key(self, ctx: CoachContext) -> tuple[str, str]:
+        h = context_hash(ctx)
+        # The variant keeps judgments made with different decoding settings apart.
+        variant = f"t={self.cfg.temperature:g};es={int(self.cfg.expected_score)};mt={self.cfg.max_tokens}"
+        return cache_key(self.coach.name, self.coach.model, f"{self.coach.version};{variant}", h), h
+
+    def _count_hit(self, hit: CoachScore) -> CoachScore:
+        self._judgments += 1
+        self._cache_hits += 1
+        if hit.score is None:
+            self._unscored += 1
+        return hit.model_copy(update={"cached": True})
+
+    async def score_one(self, ctx: CoachContext) -> CoachScore:
+        if self.cache is None:
+            return await self._score_uncached(ctx, "", "")
+        key, h = self._key(ctx)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return self._count_hit(hit)
+        # The same context twice in flight (e.g. two samples with identical output): pay once.
+        pending = self._inflight.get(key)
+        if pending is not None:
+            return self._count_hit(await asyncio.shield(pending))
+        future: asyncio.Future[CoachScore] = asyncio.get_running_loop().create_future()
+        self._inflight[key] = future
+        try:
+            result = await self._score_uncached(ctx, key, h)
+        except BaseException as e:
+            future.set_exception(e)
+            future.exception()  # retrieved here: waiters re-raise it, nobody else must
+            raise
+        else:
+            future.set_result(result)
+        finally:
+            self._inflight.pop(key, None)
+        return result
+
+    async def _score_uncached(self, ctx: CoachContext, key: str, h: str) -> CoachScore:
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.cfg.concurrency)
+        async with self._sem:
+            result = await self.coach.score(ctx)
+        self._judgments += 1
+        self._latencies.append(result.latency_s)
+        self._prompt_tokens += result.prompt_tokens
+        self._completion_tokens += result.completion_tokens
+        if result.score is None:
+            self._unscored += 1
+        failed = result.error is not None and result.error.startswith(REQUEST_FAILED)
+        if self.cache is not None and not failed:
+            self.cache.put(
+                key, result, backend=self.coach.name, model=self.coach.model, template_version=self.coach.version,
+                ctx_hash=h,
+            )  # fmt: skip
+        return result
+
+    async def score_many_async(
+        self, contexts: Sequence[CoachContext], on_done: Callable[[], None] | None = None
+    ) -> list[CoachScore]:
+        async def one(ctx: CoachContext) -> CoachScore:
+            r = await self.score_one(ctx)
+            if on_done is not None:
+                on_done()
+            return r
+
+        return list(await asyncio.gather(*(one(c) for c in contexts)))
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, name="mappa-coach", daemon=True)
+            self._thread.start()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def score_many(self, contexts: Sequence[CoachContext], *, progress: bool = False) -> list[CoachScore]:
+        """Score every context (in order); unscored ones come back with `score=None` and an error."""
+        if not contexts:
+            return []
+        if not progress:
+            return self._run(self.score_many_async(contexts))
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(
+            TextColumn(f"coach ({self.coach.name})"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+        ) as bar:
+            task = bar.add_task("score", total=len(contexts))
+            return self._run(self.score_many_async(contexts, on_done=lambda: bar.advance(task)))
+
+    def finish_episodes(self, episodes: Sequence[Episode]) -> list[Episode]:
+        """Apply episode-level scoring once episodes are over; call it on every batch `run_episodes` returns.
+
+        For the `outcome` backend every action gets 10/0 from `episode.correct` (live, per-stage scoring
+        cannot know the outcome for the agents that act before the final one). Other backends score
+        actions live, so their episodes come back unchanged.
+        """
+        if self.coach.name != "outcome":
+            return list(episodes)
+        from mappa.coach.outcome import outcome_episodes
+
+        finished = outcome_episodes(episodes)
+        for before, after in zip(episodes, finished, strict=True):
+            for old, new in zip(before.actions, after.actions, strict=True):
+                if old.coach is None:
+                    self._judgments += 1
+                elif old.coach.score is None:
+                    self._unscored -= 1
+                if new.coach is not None and new.coach.score is None:
+                    self._unscored += 1
+        return finished
+
+    def __call__(self, contexts: Sequence[CoachContext]) -> list[CoachScore]:
+        """A runner is itself the `scorer` callable that `run_episodes` takes."""
+        return self.score_many(contexts)
+
+    def close(self) -> None:
+        if self._loop is not None:
+            loop = self._loop
+            asyncio.run_coroutine_threadsafe(self.coach.aclose(), loop).result()
+            loop.call_soon_threadsafe(loop.stop)
+            if self._thread is not None:
+                self._thread.join(timeout=10)
+            loop.close()
+            self._loop = None
+            self._sem = None
+        if self.cache is not None:
+            self.cache.close()
+            self.cache = None
+
+    def __enter__(self) -> CoachRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _rubric(cfg: CoachConfig, template: Template, policy: Any) -> Coach:
+    from mappa.coach.rubric import RubricCoach
+
+    return RubricCoach()
+
+
+def _outcome(cfg: CoachConfig, template: Template, policy: Any) -> Coach:
+    from mappa.coach.outcome import OutcomeCoach
+
+    return OutcomeCoach()
+
+
+def _openai(cfg: CoachConfig, template: Template, policy: Any) -> Coach:
+    from mappa.coach.openai_backend import OpenAICoach
+
+    return OpenAICoach(cfg, template)
+
+
+def _local(cfg: CoachConfig, template: Template, policy: Any) -> Coach:
+    from mappa.coach.local import LocalCoach
+
+    return LocalCoach(cfg, template, policy)
+
+
+# Backend name -> factory(cfg, template, policy). Imports are lazy: the rubric coach needs no torch or openai.
+COACHES: dict[str, Callable[[CoachConfig, Template, Any], Coach]] = {
+    "rubric": _rubric,
+    "outcome": _outcome,
+    "openai": _openai,
+    "local": _local,
+}
+
+
+def build_coach(cfg: CoachConfig, workflow: str, policy: Any = None) -> CoachRunner:
+    """The configured coach for `workflow`, wrapped in a runner (cache and accounting included).
+
+    `policy` (a `mappa.policy.Policy`) lets the `local` backend reuse an already loaded model
+    (its base weights, adapters disabled) when `coach.model` is empty.
+    """
+    from mappa.errors import MappaError
+
+    if cfg.backend not in COACHES:
+        raise MappaError(f"coach.backend: unknown backend {cfg.backend!r} (known: {', '.join(COACHES)})")
+    template = template_for(cfg.template, workflow)
+    coach = COACHES[cfg.backend](cfg, template, policy)
+    cache = JudgmentCache(cfg.cache_path or None) if cfg.cache and coach.cacheable else None
+    return CoachRunner(coach, cfg, cache)

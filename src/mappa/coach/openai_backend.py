@@ -1,0 +1,210 @@
+"""Any OpenAI-compatible chat-completions endpoint as the coach (OpenAI, Gemini, Anthropic, vLLM, SGLang, Ollama, `mappa serve`).
+
+The SDK's own retries are switched off so that every request is counted: this module retries 429,
+5xx, timeouts and connection errors itself, with exponential backoff and full jitter, honouring the
+server's Retry-After. A request that still fails leaves the action unscored (never a made-up score).
+Wrong credentials, model or URL (401/403/404) are configuration errors and stop the run with a
+one-line message instead of silently leaving a day of actions unscored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import ipaddress
+import os
+import random
+import time
+from typing import Any
+from urllib.parse import urlparse
+
+import openai
+
+from mappa.coach.judge import Reply, RequestFailed, judge
+from mappa.coach.parse import TokenLogprob
+from mappa.coach.prompts import Template
+from mappa.config import CoachConfig
+from mappa.errors import MappaError
+from mappa.types import CoachContext, CoachScore
+
+OPENAI_URL = "https://api.openai.com/v1"
+TOP_LOGPROBS = 20  # the most OpenAI and vLLM (by default) return; enough for all 11 score values
+MAX_RETRY_AFTER_S = 300.0
+
+
+def is_loopback(url: str) -> bool:
+    host = urlparse(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def retry_after_s(headers: Any) -> float | None:
+    """Seconds the server asked us to wait (`retry-after-ms`, `retry-after` as seconds or HTTP date)."""
+    if headers is None:
+        return None
+    ms = headers.get("retry-after-ms")
+    if ms:
+        try:
+            return max(0.0, float(ms) / 1000.0)
+        except ValueError:
+            pass
+    raw = headers.get("retry-after")
+    if not raw:
+        return None
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(raw)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+class OpenAICoach:
+    name = "openai"
+    cacheable = True
+    backoff_base_s = 0.5  # first retry waits U(0, 0.5) s, then U(0, 1), U(0, 2), ... capped at backoff_cap_s
+    backoff_cap_s = 30.0
+
+    def __init__(self, cfg: CoachConfig, template: Template) -> None:
+        from mappa.coach import CallCounters
+
+        if not cfg.model:
+            raise MappaError("coach.model: the openai backend needs a model name (e.g. coach.model=gpt-4o-mini)")
+        self.cfg = cfg
+        self.model = cfg.model
+        self.template = template
+        self.version = template.version
+        self.base_url = cfg.base_url or OPENAI_URL
+        key = os.environ.get(cfg.api_key_env, "")
+        if not key:
+            if not is_loopback(self.base_url):
+                raise MappaError(
+                    f"coach.api_key_env: environment variable {cfg.api_key_env} is not set (needed for {self.base_url})"
+                )
+            key = "EMPTY"  # local servers (vLLM, Ollama, mappa serve) accept any key
+        self._api_key = key
+        self._logprobs = cfg.expected_score
+        self._clients: dict[int, tuple[asyncio.AbstractEventLoop, openai.AsyncOpenAI]] = {}
+        self.counters = CallCounters()
+
+    def _client(self) -> openai.AsyncOpenAI:
+        # An async HTTP client belongs to one event loop; keep one per loop.
+        loop = asyncio.get_running_loop()
+        entry = self._clients.get(id(loop))
+        if entry is None or entry[0] is not loop:
+            client = openai.AsyncOpenAI(
+                base_url=self.base_url, api_key=self._api_key, timeout=self.cfg.timeout_s, max_retries=0
+            )
+            self._clients[id(loop)] = (loop, client)
+            return client
+        return entry[1]
+
+    def _backoff(self, attempt: int) -> float:
+        return random.uniform(0.0, min(self.backoff_cap_s, self.backoff_base_s * 2**attempt))
+
+    async def _request(self, messages: list[dict[str, str]]) -> Any:
+        kwargs: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "temperature": self.cfg.temperature,
+            "max_tokens": self.cfg.max_tokens,
+        }
+        if self._logprobs:
+            kwargs.update(logprobs=True, top_logprobs=TOP_LOGPROBS)
+        return await self._client().chat.completions.create(**kwargs)
+
+    async def complete(self, messages: list[dict[str, str]]) -> Reply:
+        """One chat completion with retries; raises RequestFailed when it gives up."""
+        last = ""
+        attempt = 0
+        while True:
+            self.counters.calls += 1
+            wait: float | None = None
+            asked_logprobs = self._logprobs
+            try:
+                resp = await self._request(messages)
+            except openai.APIStatusError as e:
+                code = e.status_code
+                if code == 400 and asked_logprobs and "logprob" in str(e).lower():
+                    # The server does not do logprobs: carry on without the expected score.
+                    self._logprobs = False
+                    continue
+                if code in (401, 403, 404):
+                    raise MappaError(
+                        f"coach: {self.base_url} answered HTTP {code} for model {self.model!r} "
+                        f"(check coach.base_url, coach.model and ${self.cfg.api_key_env})"
+                    ) from None
+                if code not in (408, 409, 429) and code < 500:
+                    self.counters.failures += 1
+                    raise RequestFailed(f"HTTP {code}: {_short(e.message)}") from None
+                last = f"HTTP {code}"
+                wait = retry_after_s(e.response.headers)
+            except openai.APITimeoutError:
+                last = f"timed out after {self.cfg.timeout_s:g} s"
+            except openai.APIConnectionError as e:
+                last = f"connection error ({_short(str(e.__cause__ or e))})"
+            except (openai.APIResponseValidationError, ValueError) as e:
+                self.counters.failures += 1
+                raise RequestFailed(f"invalid response: {_short(str(e))}") from None
+            else:
+                try:
+                    return _to_reply(resp)
+                except RequestFailed:
+                    self.counters.failures += 1
+                    raise
+            if attempt >= self.cfg.max_retries:
+                self.counters.failures += 1
+                raise RequestFailed(f"{last}; gave up after {attempt + 1} attempts")
+            delay = min(wait, MAX_RETRY_AFTER_S) if wait is not None else self._backoff(attempt)
+            await asyncio.sleep(delay)
+            attempt += 1
+            self.counters.retries += 1
+
+    async def score(self, ctx: CoachContext) -> CoachScore:
+        return await judge(
+            ctx,
+            self.template,
+            self.complete,
+            backend=self.name,
+            model=self.model,
+            use_expected=self.cfg.expected_score,
+        )
+
+    async def aclose(self) -> None:
+        loop = asyncio.get_running_loop()
+        entry = self._clients.pop(id(loop), None)
+        if entry is not None and entry[0] is loop:
+            await entry[1].close()
+
+
+def _short(text: str, limit: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _to_reply(resp: Any) -> Reply:
+    """A ChatCompletion -> Reply; anything else (a proxy's HTML page, garbage) is a failed request."""
+    if not isinstance(resp, openai.types.chat.ChatCompletion) or not resp.choices:
+        raise RequestFailed(f"invalid response: {_short(repr(resp))}")
+    choice = resp.choices[0]
+    text = choice.message.content or ""
+    tokens = None
+    if choice.logprobs is not None and choice.logprobs.content:
+        tokens = tuple(
+            TokenLogprob(t.token, t.logprob, tuple((a.token, a.logprob) for a in (t.top_logprobs or ())))
+            for t in choice.logprobs.content
+        )
+    usage = resp.usage
+    return Reply(
+        text=text,
+        tokens=tokens,
+        prompt_tokens=usage.prompt_tokens if usage else 0,
+        completion_tokens=usage.completion_tokens if usage else 0,
+    )

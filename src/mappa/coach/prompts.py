@@ -1,0 +1,149 @@
+"""Coach prompt templates, one per workflow, versioned (the version is part of the cache key).
+
+A template turns a `CoachContext` into chat messages. The ground truth is rendered only when the
+context belongs to the final agent (`is_final`): earlier agents are judged on the evidence they
+produced, never on the answer they could not see. Bump a template's `version` whenever its text
+changes, so cached judgments made with the old wording are not reused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mappa.errors import MappaError
+from mappa.types import CoachContext
+
+_MAX_MESSAGE_CHARS = 6000  # one input message shown to the coach; longer ones keep head and tail
+
+
+@dataclass(frozen=True)
+class Template:
+    name: str
+    version: str
+    system: str  # the coach's standing instructions
+    rubric: str  # what a good action looks like in this workflow
+
+
+_OUTPUT_FORMAT = """Reply in this format:
+ANALYSIS: a few sentences on what the action did well or badly, citing the evidence.
+PROCESS_SCORE: a number from 0 to 10 (decimals allowed)"""
+
+_OUTPUT_FORMAT_FINAL = _OUTPUT_FORMAT + "\nANSWER_CORRECT: 1 if the agent's final answer matches the reference, else 0"
+
+_SYSTEM = """You are a coach for a team of AI agents that solve tasks together. You rate ONE action of ONE \
+agent: given the agent's role and exactly the input it had, how much did its output help the team succeed?
+You are not judging the team's final result; judge this action on its own evidence: the input the agent \
+saw, what it wrote, and what its tool call printed. Do not punish an agent for a mistake made upstream \
+that it could not have fixed. Be strict and consistent: 0 = harmful or empty, 5 = partly useful with \
+clear problems, 8 = solid, 10 = perfect."""
+
+MATHCHAT = Template(
+    name="mathchat",
+    version="mathchat-v1",
+    system=_SYSTEM,
+    rubric="""The team solves a competition math problem in three steps: a Problem Solver reasons about it \
+(no tools), a Code Executor writes Python that is run and its output returned, and a Verifier combines \
+the evidence into a final answer in \\boxed{...}. The team succeeds only if the Verifier's answer is right.
+Rate the action on:
+- usefulness: does it move the team toward the right answer, given what this agent was shown?
+- role: the Problem Solver sets up a correct approach; the Code Executor writes runnable code in a \
+```python block that computes what is needed and prints it; the Verifier checks the evidence, fixes \
+errors it can see, and states one final answer in \\boxed{...};
+- economy: it stays focused and within its length budget; rambling or repetition costs points;
+- honesty about evidence: claims that contradict the tool output cost points.""",
+)
+
+DS_PIPELINE = Template(
+    name="ds_pipeline",
+    version="ds_pipeline-v1",
+    system=_SYSTEM,
+    rubric="""The team builds a submission for a tabular machine-learning task through shared files: a Data \
+Engineer saves X_train.pkl, y_train.pkl and X_test.pkl; a Modeler saves model.pkl; an Analyst writes \
+submission.csv in the task's format. Each agent sees only the files saved so far.
+Rate the action on:
+- required files for its role were saved (see the file lists), and its code ran;
+- root cause: if something is missing, blame the agent that failed to save it. FileNotFoundError for \
+X_test.pkl is the Data Engineer's fault, for model.pkl the Modeler's; KeyError/TypeError with both \
+present is the Analyst's. The culprit gets 0-2; an agent that failed only because an upstream file was \
+missing gets 3-5; text with no runnable code gets 0-2;
+- 10 is exceptional; 8-9: ran, saved everything, sound method; 6-7: minor issues; 4-5: errors or \
+missing outputs;
+- for the Analyst, cap the score by the real test metric when given: ROC-AUC/accuracy >= 0.85 or \
+RMSE < 10% of the target range: at most 9; 0.75-0.85 / 10-25%: 8; 0.65-0.75 / 25-50%: 6; \
+0.55-0.65 / > 50%: 4; below 0.55: 3. High accuracy with a very low F1 (a majority-class predictor) \
+scores about 4.""",
+)
+
+GENERIC = Template(
+    name="generic",
+    version="generic-v1",
+    system=_SYSTEM,
+    rubric="""Rate the action on how much it helped the team, given the agent's role and input: correct \
+reasoning, runnable code when code is called for, consistency with the tool output, and focus.""",
+)
+
+TEMPLATES: dict[str, Template] = {t.name: t for t in (MATHCHAT, DS_PIPELINE, GENERIC)}
+
+
+def template_for(name: str, workflow: str) -> Template:
+    """The configured template (`coach.template`), else the workflow's own, else the generic one."""
+    if name:
+        if name not in TEMPLATES:
+            raise MappaError(f"coach.template: unknown template {name!r} (known: {', '.join(sorted(TEMPLATES))})")
+        return TEMPLATES[name]
+    return TEMPLATES.get(workflow, GENERIC)
+
+
+def _clip(text: str, limit: int = _MAX_MESSAGE_CHARS) -> str:
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n[... {len(text) - limit} characters omitted ...]\n{text[-half:]}"
+
+
+def render_context(ctx: CoachContext) -> str:
+    """The evidence block of the user prompt. Ground truth appears only for the final agent."""
+    parts = [
+        f"## Task\n{ctx.task}",
+        f"## Agent\n{ctx.agent}" + (" (the final agent of the team)" if ctx.is_final else ""),
+        f"## Role\n{ctx.role}",
+        "## The agent's exact input",
+    ]
+    for i, m in enumerate(ctx.messages):
+        parts.append(f"[{i}] {m.role}:\n{_clip(m.content)}")
+    parts.append(f"## The agent's output (this action)\n{_clip(ctx.output)}")
+    parts.append(f"## Tool observation\n{ctx.observation or 'no tool used'}")
+    if ctx.files_visible or ctx.files_by_agent:
+        parts.append("## Files the agent could see\n" + (", ".join(ctx.files_visible) or "(none)"))
+        saved = [f"- {agent}: {', '.join(files) or '(nothing)'}" for agent, files in ctx.files_by_agent.items()]
+        parts.append("## Files saved by each earlier agent\n" + ("\n".join(saved) or "(none)"))
+    if ctx.extra:
+        # Workflow evidence such as test-set metrics; never the ground truth for non-final agents.
+        shown = {k: v for k, v in ctx.extra.items() if k not in _HIDDEN_EXTRA}
+        if shown:
+            parts.append("## Further evidence\n" + "\n".join(f"- {k}: {v}" for k, v in sorted(shown.items())))
+    if ctx.is_final and ctx.ground_truth is not None:
+        parts.append(f"## Reference answer (for the final agent only)\n{ctx.ground_truth}")
+    return "\n\n".join(parts)
+
+
+# Keys of CoachContext.extra that are bookkeeping, not evidence for the coach.
+_HIDDEN_EXTRA = frozenset({"episode_correct", "episode_id", "action_index"})
+
+
+def build_messages(ctx: CoachContext, template: Template) -> list[dict[str, str]]:
+    """OpenAI-style chat messages for one judgment."""
+    fmt = _OUTPUT_FORMAT_FINAL if ctx.is_final and ctx.ground_truth is not None else _OUTPUT_FORMAT
+    user = f"{template.rubric}\n\n{render_context(ctx)}\n\n{fmt}"
+    return [{"role": "system", "content": template.system}, {"role": "user", "content": user}]
+
+
+def follow_up_message(ctx: CoachContext) -> dict[str, str]:
+    """The one follow-up sent when a reply lacks the score line: ask for exactly the required lines."""
+    lines = "PROCESS_SCORE: <number from 0 to 10>"
+    if ctx.is_final and ctx.ground_truth is not None:
+        lines += "\nANSWER_CORRECT: <0 or 1>"
+    return {
+        "role": "user",
+        "content": f"Your reply did not contain the required line. Reply now with exactly:\n{lines}",
+    }

@@ -1,0 +1,132 @@
+"""The `rubric` coach: deterministic rules over the evidence. Rules, not AI feedback.
+
+It reads the same `CoachContext` an AI coach gets and applies fixed checks, so the offline demo
+trains on a real, if blunt, per-action signal:
+- empty output: 0;
+- the final agent (with a ground truth): final answer checked with `mappa.tasks.check_answer`;
+- an agent whose role calls for code (the role text mentions code or Python, or required files
+  are declared): code present, ran, errored, timed out, printed something, saved what it must;
+- any other agent: a substantive reply that commits to a result scores above one that does not.
+Non-final agents are never judged against the ground truth, even if a context carries one.
+Every score comes with a one-line rationale naming the rules that fired.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from mappa.types import CoachContext, CoachScore
+
+RULES_VERSION = "rubric-v1"
+
+_NO_TOOL = "no tool used"
+_ERROR_RE = re.compile(r"Traceback \(most recent call last\)|\b\w*Error\b|\[stderr\]|exit code [1-9]|exit_code=[1-9]")
+_TIMEOUT_RE = re.compile(r"timed out|time limit|timeout", re.IGNORECASE)
+_BOXED_RE = re.compile(r"\\boxed\s*\{")
+_NUMBER_RE = re.compile(r"\d")
+_CODE_FENCE_RE = re.compile(r"```(?:python|py)\b", re.IGNORECASE)
+
+
+def _has_code(text: str) -> bool:
+    try:
+        from mappa.sandbox.codeblocks import extract_code_blocks
+    except ImportError:  # the sandbox module is optional for this rule: a fence is evidence enough
+        return bool(_CODE_FENCE_RE.search(text))
+    return bool(extract_code_blocks(text))
+
+
+def _wants_code(ctx: CoachContext) -> bool:
+    role = ctx.role.lower()
+    return "code" in role or "python" in role or bool(ctx.extra.get("required_files"))
+
+
+def _final(ctx: CoachContext) -> tuple[float, str, bool | None]:
+    from mappa.tasks import check_answer
+
+    if not _BOXED_RE.search(ctx.output):
+        return 0.0, "final agent gave no \\boxed{} answer", False
+    if check_answer(ctx.output, ctx.ground_truth or ""):
+        return 10.0, "final answer matches the reference", True
+    return 2.0, "final answer in \\boxed{} but it does not match the reference", False
+
+
+def _code_agent(ctx: CoachContext) -> tuple[float, list[str]]:
+    obs = ctx.observation or _NO_TOOL
+    if not _has_code(ctx.output):
+        return 1.0, ["no runnable ```python block"]
+    if obs.strip() == _NO_TOOL:
+        return 3.0, ["code present but no tool output recorded"]
+    why: list[str] = []
+    if _TIMEOUT_RE.search(obs):
+        score, why = 2.0, ["code timed out"]
+    elif _ERROR_RE.search(obs):
+        score, why = 3.0, ["code raised an error"]
+    elif not obs.strip() or obs.strip() in ("(no output)", "<tool_response>\n</tool_response>"):
+        score, why = 5.0, ["code ran but printed nothing"]
+    else:
+        score, why = 8.0, ["code ran and printed a result"]
+    required = tuple(ctx.extra.get("required_files", ()))
+    if required:
+        seen = set(ctx.files_visible) | set(ctx.extra.get("files_saved", ()))
+        missing = [f for f in required if f not in seen]
+        if missing:
+            score = min(score, 4.0)
+            why.append("missing " + ", ".join(missing))
+        else:
+            why.append("saved all required files")
+    return score, why
+
+
+def _other_agent(ctx: CoachContext) -> tuple[float, list[str]]:
+    text = ctx.output.strip()
+    if len(text) < 20:
+        return 2.0, ["reply too short to help"]
+    if _BOXED_RE.search(text) or _NUMBER_RE.search(text):
+        return 6.0, ["substantive reply that commits to a result"]
+    return 4.0, ["reply commits to no result"]
+
+
+def rubric_score(ctx: CoachContext) -> CoachScore:
+    """The rules applied to one context (sync; the coach below wraps it in the async protocol)."""
+    t0 = time.perf_counter()
+    answer_correct: bool | None = None
+    if not ctx.output.strip():
+        score, why = 0.0, ["empty output"]
+    elif ctx.is_final and ctx.ground_truth is not None:
+        score, reason, answer_correct = _final(ctx)
+        why = [reason]
+        if _has_code(ctx.output) and _ERROR_RE.search(ctx.observation or ""):
+            score, why = max(0.0, score - 1.0), [*why, "its code raised an error"]
+    elif _wants_code(ctx):
+        score, why = _code_agent(ctx)
+    else:
+        score, why = _other_agent(ctx)
+    rationale = f"rules: {'; '.join(why)}."
+    return CoachScore(
+        score=score,
+        rationale=rationale,
+        raw_reply=f"{rationale}\nPROCESS_SCORE: {score:g}",
+        answer_correct=answer_correct,
+        latency_s=time.perf_counter() - t0,
+        backend="rubric",
+        model=RULES_VERSION,
+    )
+
+
+class RubricCoach:
+    name = "rubric"
+    model = RULES_VERSION
+    version = RULES_VERSION
+    cacheable = False  # free and instant: caching would only hide rule changes
+
+    def __init__(self) -> None:
+        from mappa.coach import CallCounters
+
+        self.counters = CallCounters()
+
+    async def score(self, ctx: CoachContext) -> CoachScore:
+        return rubric_score(ctx)
+
+    async def aclose(self) -> None:
+        return None

@@ -1,0 +1,284 @@
+"""`mappa serve`: an OpenAI-compatible HTTP server for a local base model and each trained agent.
+
+Endpoints: `GET /v1/models`, `POST /v1/chat/completions` (messages, temperature, top_p, max_tokens,
+logprobs, top_logprobs, seed; `model` is the base name or an agent name from the checkpoint), plus
+`GET /health` and `GET /stats` (batching counters). Concurrent requests for the same model and
+sampling settings are batched into one `Policy.generate` call (`mappa.coach.engine.ChatEngine`).
+Not supported: streaming, n > 1, stop sequences, tools; those are rejected with HTTP 400 rather
+than silently ignored. Temperature 0 is greedy decoding.
+
+In-process use (tests, notebooks): `create_app(policy, base_name)` and `start_server(app)`.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from mappa.coach.engine import PLACEHOLDER_AGENT, ChatEngine, ChatRequest, load_policy
+from mappa.errors import MappaError
+from mappa.types import Message
+
+MAX_TOP_LOGPROBS = 20
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str = "text"
+    text: str = ""
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionIn(BaseModel):
+    # Unknown OpenAI parameters (presence_penalty, user, ...) are ignored like most compatible servers do;
+    # the ones that would change the output and are not implemented are rejected in `_check_supported`.
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    n: int = 1
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    tools: list[Any] | None = None
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+def _check_supported(req: ChatCompletionIn) -> None:
+    if req.stream:
+        raise APIError(400, "stream=true is not supported by mappa serve", param="stream")
+    if req.n != 1:
+        raise APIError(400, "only n=1 is supported by mappa serve", param="n")
+    if req.stop:
+        raise APIError(400, "stop sequences are not supported by mappa serve", param="stop")
+    if req.tools:
+        raise APIError(400, "tools are not supported by mappa serve", param="tools")
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+def _messages(req: ChatCompletionIn) -> tuple[Message, ...]:
+    out = []
+    for i, m in enumerate(req.messages):
+        role = _ROLES.get(m.role)
+        if role is None:
+            raise APIError(400, f"messages[{i}].role: unsupported role {m.role!r}", param=f"messages[{i}].role")
+        if isinstance(m.content, list):
+            content = "".join(p.text for p in m.content if p.type == "text")
+        else:
+            content = m.content or ""
+        out.append(Message(role=role, content=content))
+    return tuple(out)
+
+
+def create_app(
+    policy: Any,
+    base_name: str,
+    agents: Sequence[str] | None = None,
+    *,
+    max_batch: int = 16,
+    default_max_tokens: int = 256,
+) -> FastAPI:
+    """The FastAPI app serving `policy`: `base_name` is the base (adapters off), `agents` (default: the
+    policy's agents) are served by name with their own weights."""
+    agents = tuple(policy.agents if agents is None else agents)
+    engine = ChatEngine(policy, max_batch=max_batch)
+    created = int(time.time())
+    names = {base_name: None, **{a: a for a in agents}}
+    app = FastAPI(title="mappa serve", docs_url=None, redoc_url=None)
+    app.state.engine = engine
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return _error(e.status, e.message, e.type, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"] if p != "body")
+        return _error(400, f"{loc}: {first['msg']}", param=loc or None)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/stats")
+    async def stats() -> dict[str, int]:
+        return {"requests": engine.requests, "batches": engine.batches, "largest_batch": engine.largest_batch}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [{"id": n, "object": "model", "created": created, "owned_by": "mappa"} for n in names]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionIn) -> dict[str, Any]:
+        _check_supported(req)
+        if req.model not in names:
+            raise APIError(
+                404, f"model {req.model!r} not found (served: {', '.join(names)})", "not_found_error", "model"
+            )
+        k = (req.top_logprobs or 0) if req.logprobs else 0
+        request = ChatRequest(
+            agent=names[req.model],
+            messages=_messages(req),
+            temperature=req.temperature,
+            top_p=req.top_p,
+            max_tokens=req.max_completion_tokens or req.max_tokens or default_max_tokens,
+            top_logprobs=k,
+            seed=req.seed,
+        )
+        try:
+            gen = await engine.chat(request)
+        except MappaError as e:
+            raise APIError(400, str(e)) from None
+        except Exception as e:  # noqa: BLE001 - reported to the client; the server keeps running
+            raise APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from None
+        eos = set(policy.eos_ids)
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": gen.text},
+            "finish_reason": "length" if gen.truncated else "stop",
+            "logprobs": None,
+        }
+        if req.logprobs:
+            content = []
+            for pos, (tid, lp) in enumerate(zip(gen.response_ids, gen.logprobs, strict=True)):
+                if tid in eos:
+                    continue  # like OpenAI: the stop token is not part of the content
+                token = engine.token_text(tid)
+                top = []
+                if k and gen.top_logprobs is not None:
+                    for alt, alp in gen.top_logprobs[pos][:k]:
+                        alt_text = engine.token_text(alt)
+                        top.append({"token": alt_text, "logprob": alp, "bytes": list(alt_text.encode("utf-8"))})
+                content.append(
+                    {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8")), "top_logprobs": top}
+                )
+            choice["logprobs"] = {"content": content, "refusal": None}
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": req.model,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(gen.prompt_ids),
+                "completion_tokens": len(gen.response_ids),
+                "total_tokens": len(gen.prompt_ids) + len(gen.response_ids),
+            },
+        }
+
+    return app
+
+
+@dataclass
+class RunningServer:
+    """A uvicorn server running in a background thread (tests, benchmarks, notebooks)."""
+
+    url: str  # base URL including /v1
+    server: Any
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise MappaError(f"--host/--port: cannot listen on {host}:{port} ({e.strerror})") from None
+    sock.listen(256)
+    sock.set_inheritable(True)
+    return sock
+
+
+def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
+    """Serve `app` in a daemon thread on a socket bound before returning (port 0: a free port)."""
+    import uvicorn
+
+    sock = _bind(host, port)
+    bound_port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="mappa-serve", daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        if not thread.is_alive() or time.time() > deadline:
+            raise RuntimeError("the in-process server did not start")
+        time.sleep(0.01)
+    return RunningServer(url=f"http://{host}:{bound_port}/v1", server=server, thread=thread)
+
+
+def served_names(policy: Any, model: str, adapters: str | None) -> tuple[str, tuple[str, ...]]:
+    """(base model name, agent names) that `mappa serve` answers to.
+
+    A plain model is served under the name it was given. A checkpoint's base is served under its
+    base model name ("base" when the checkpoint stores the base itself or an agent has that name).
+    """
+    if not adapters:
+        return model, ()
+    agents = tuple(policy.agents)
+    base_name = policy.base_name or "base"
+    return ("base" if base_name in agents else base_name), agents
+
+
+def serve_command(model: str, adapters: str | None, host: str, port: int, max_batch: int) -> int:
+    """`mappa serve`: load the model (and the checkpoint's agents), then serve until Ctrl-C."""
+    import uvicorn
+    from rich.console import Console
+
+    if max_batch < 1:
+        raise MappaError(f"--max-batch must be >= 1 (got {max_batch})")
+    console = Console(stderr=True)
+    sock = _bind(host, port)  # fail fast on a taken port, before minutes of model loading
+    with console.status(f"loading {adapters or model}..."):
+        policy = load_policy(model, adapters)
+    base_name, agents = served_names(policy, model, adapters)
+    app = create_app(policy, base_name, agents, max_batch=max_batch)
+    served = ", ".join([base_name, *agents])
+    console.print(f"mappa serve: {served} at http://{host}:{sock.getsockname()[1]}/v1 (max batch {max_batch})")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    server.run(sockets=[sock])
+    return 0
+
+
+__all__ = ["PLACEHOLDER_AGENT", "RunningServer", "create_app", "serve_command", "served_names", "start_server"]

@@ -1,0 +1,337 @@
+"""The coach without a network: parsing, expected score, prompts, rubric and outcome coaches, cache, runner."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+
+from mappa.coach import build_coach, feedback_note, parse_score, training_score
+from mappa.coach.cache import JudgmentCache, cache_key, context_hash
+from mappa.coach.parse import TokenLogprob, expected_score, parse_answer_correct, rationale_of
+from mappa.coach.prompts import TEMPLATES, build_messages, follow_up_message, render_context, template_for
+from mappa.coach.rubric import rubric_score
+from mappa.config import CoachConfig
+from mappa.errors import MappaError
+from mappa.types import Action, CoachContext, CoachScore, Episode, Message, Task
+
+GROUND_TRUTH = "SECRET-ANSWER-4242"
+
+
+def ctx(**kw) -> CoachContext:
+    base = dict(
+        task="What is 2 + 3?",
+        workflow="mathchat",
+        agent="code_executor",
+        role="You are the Code Executor. Write a ```python code block that computes the answer.",
+        is_final=False,
+        messages=(Message(role="system", content="role"), Message(role="user", content="Problem: 2 + 3")),
+        output="```python\nprint(2 + 3)\n```",
+        observation="5",
+    )
+    base.update(kw)
+    return CoachContext(**base)
+
+
+# ------------------------------------------------------------------------------------------------ parse_score
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("ANALYSIS: fine.\nPROCESS_SCORE: 7", 7.0),
+        ("PROCESS_SCORE: 7.5", 7.5),
+        ("process_score:8", 8.0),
+        ("Process Score = 6", 6.0),
+        ("**PROCESS_SCORE:** 9", 9.0),
+        ("**PROCESS_SCORE: 9**", 9.0),
+        ("`PROCESS_SCORE`: `4`", 4.0),
+        ("PROCESS-SCORE: [3]", 3.0),
+        ("PROCESS_SCORE: 7/10", 7.0),
+        ("PROCESS_SCORE: 12", 10.0),
+        ("PROCESS_SCORE: -3", 0.0),
+        ("PROCESS_SCORE: 6,5", 6.5),
+        ("end with PROCESS_SCORE: x.\nMy verdict.\nPROCESS_SCORE: 2", 2.0),
+        ("Reply in the form PROCESS_SCORE: 5 ... then actually PROCESS_SCORE: 8", 8.0),
+    ],
+)
+def test_parse_score_variants(text: str, expected: float) -> None:
+    assert parse_score(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Step 3 is wrong; I would give it 7 out of 10.",
+        "Score: 8",
+        "PROCESS_SCORE: x",
+        "PROCESS_SCORE:",
+        "",
+        "The answer 42 appears in step 2.",
+    ],
+)
+def test_parse_score_never_takes_a_stray_number(text: str) -> None:
+    assert parse_score(text) is None
+
+
+def test_answer_correct_and_rationale() -> None:
+    reply = "ANALYSIS: the box holds 5, matching the reference.\n**PROCESS_SCORE:** 9\nANSWER_CORRECT: 1"
+    assert parse_answer_correct(reply) is True
+    assert parse_answer_correct("ANSWER_CORRECT: 0") is False
+    assert parse_answer_correct("no verdict") is None
+    assert rationale_of(reply) == "ANALYSIS: the box holds 5, matching the reference."
+
+
+# -------------------------------------------------------------------------------------------- expected score
+def toks(*pieces: str, top: dict[int, dict[str, float]] | None = None) -> tuple[TokenLogprob, ...]:
+    top = top or {}
+    out = []
+    for i, p in enumerate(pieces):
+        alts = top.get(i, {p: 0.0})
+        out.append(TokenLogprob(p, alts.get(p, 0.0), tuple(alts.items())))
+    return tuple(out)
+
+
+def test_expected_score_is_probability_weighted_mean() -> None:
+    pieces = ("ANALYSIS: ok", "\n", "PROCESS", "_SCORE", ":", " ", "7", "\n")
+    tokens = toks(*pieces, top={6: {"7": math.log(0.5), "8": math.log(0.3), "6": math.log(0.2)}})
+    assert expected_score(tokens) == pytest.approx(0.5 * 7 + 0.3 * 8 + 0.2 * 6)
+
+
+def test_expected_score_renormalises_and_ignores_non_numeric_alternatives() -> None:
+    pieces = ("PROCESS_SCORE:", " 4")
+    top = {1: {" 4": math.log(0.6), " 5": math.log(0.2), " four": math.log(0.2)}}
+    assert expected_score(toks(*pieces, top=top)) == pytest.approx((0.6 * 4 + 0.2 * 5) / 0.8)
+
+
+def test_expected_score_splits_one_and_ten() -> None:
+    # "10" sampled as "1","0": P("1") = 0.8 of which P("0" next) = 0.75 -> 10, else 1; P("9") = 0.2.
+    pieces = ("PROCESS_SCORE: ", "1", "0")
+    top = {1: {"1": math.log(0.8), "9": math.log(0.2)}, 2: {"0": math.log(0.75), "\n": math.log(0.25)}}
+    want = 0.8 * (0.75 * 10 + 0.25 * 1) + 0.2 * 9
+    assert expected_score(toks(*pieces, top=top)) == pytest.approx(want)
+
+
+def test_expected_score_keeps_the_sampled_decimal_value() -> None:
+    pieces = ("PROCESS_SCORE: ", "7", ".", "5")
+    top = {1: {"7": math.log(0.5), "6": math.log(0.5)}}
+    assert expected_score(toks(*pieces, top=top)) == pytest.approx(0.5 * 7.5 + 0.5 * 6)
+
+
+def test_expected_score_falls_back_when_it_cannot_tell() -> None:
+    assert expected_score(toks("no", " marker", " 7")) is None
+    assert expected_score(toks("PROCESS_SCORE:", " high")) is None
+    # Most of the probability on non-numbers: the mean would be over a sliver of the distribution.
+    top = {1: {" 7": math.log(0.2), " x": math.log(0.8)}}
+    assert expected_score(toks("PROCESS_SCORE:", " 7", top=top)) is None
+    assert expected_score(()) is None
+
+
+# ------------------------------------------------------------------------------------------------- prompts
+def test_prompt_never_renders_ground_truth_for_non_final_agents() -> None:
+    leaked = ctx(is_final=False, ground_truth=GROUND_TRUTH)
+    for template in TEMPLATES.values():
+        text = "\n".join(m["content"] for m in build_messages(leaked, template))
+        assert GROUND_TRUTH not in text
+        assert "ANSWER_CORRECT" not in text
+    assert GROUND_TRUTH not in follow_up_message(leaked)["content"]
+
+
+def test_prompt_renders_ground_truth_for_the_final_agent() -> None:
+    final = ctx(agent="verifier", is_final=True, ground_truth=GROUND_TRUTH, output="\\boxed{5}")
+    text = build_messages(final, template_for("", "mathchat"))[1]["content"]
+    assert GROUND_TRUTH in text
+    assert "ANSWER_CORRECT" in text
+    assert "ANSWER_CORRECT" in follow_up_message(final)["content"]
+
+
+def test_prompt_holds_the_evidence() -> None:
+    c = ctx(
+        observation="Traceback: ZeroDivisionError",
+        files_visible=("X_train.pkl",),
+        files_by_agent={"data_engineer": ("X_train.pkl",)},
+        extra={"roc_auc": 0.81, "episode_correct": True},
+    )
+    text = render_context(c)
+    for needle in ("What is 2 + 3?", c.role, "Problem: 2 + 3", "print(2 + 3)", "ZeroDivisionError", "X_train.pkl"):
+        assert needle in text
+    assert "roc_auc: 0.81" in text
+    assert "episode_correct" not in text  # bookkeeping for the outcome coach, never shown to an AI coach
+
+
+def test_templates_are_versioned_and_selectable() -> None:
+    assert template_for("", "mathchat").name == "mathchat"
+    assert template_for("", "ds_pipeline").name == "ds_pipeline"
+    assert template_for("", "some_new_workflow").name == "generic"
+    assert template_for("generic", "mathchat").name == "generic"
+    assert len({t.version for t in TEMPLATES.values()}) == len(TEMPLATES)
+    with pytest.raises(MappaError, match="coach.template"):
+        template_for("nope", "mathchat")
+
+
+# -------------------------------------------------------------------------------------------------- rubric
+def test_rubric_ignores_ground_truth_for_non_final_agents() -> None:
+    # A Problem Solver whose text happens to contain the reference must not score higher for it.
+    solver = dict(agent="problem_solver", role="You are the Problem Solver.", observation="no tool used")
+    plain = rubric_score(ctx(output="I think the answer is \\boxed{7} after some steps.", **solver))
+    leaked = rubric_score(ctx(output="I think the answer is \\boxed{7} after some steps.", ground_truth="7", **solver))
+    assert plain.score == leaked.score
+    assert leaked.answer_correct is None
+    assert "reference" not in leaked.rationale
+
+
+@pytest.mark.parametrize(
+    "kw, lo, hi, phrase",
+    [
+        (dict(output="   "), 0, 0, "empty output"),
+        (dict(output="I would just guess."), 0, 2, "no runnable"),
+        (dict(observation="Traceback (most recent call last):\nZeroDivisionError: division by zero"), 2, 4, "error"),
+        (dict(observation="[timed out after 10 s]"), 1, 3, "timed out"),
+        (dict(observation="5"), 7, 9, "ran and printed"),
+    ],
+)
+def test_rubric_code_agent_rules(kw: dict, lo: float, hi: float, phrase: str) -> None:
+    s = rubric_score(ctx(**kw))
+    assert lo <= s.score <= hi
+    assert phrase in s.rationale
+    assert s.rationale.startswith("rules:")
+
+
+def test_rubric_final_agent_checks_the_answer() -> None:
+    final = dict(
+        agent="verifier", role="You are the Verifier.", is_final=True, ground_truth="5", observation="no tool used"
+    )
+    right = rubric_score(ctx(output="The code printed 5, so \\boxed{5}.", **final))
+    wrong = rubric_score(ctx(output="Hmm, \\boxed{6}.", **final))
+    none = rubric_score(ctx(output="It is five, I believe.", **final))
+    assert right.score == 10 and right.answer_correct is True
+    assert wrong.score < 5 and wrong.answer_correct is False
+    assert none.score == 0 and none.answer_correct is False
+
+
+def test_rubric_required_files() -> None:
+    de = dict(
+        role="Data Engineer: save files with Python code.", extra={"required_files": ["X_train.pkl", "X_test.pkl"]}
+    )
+    missing = rubric_score(ctx(files_visible=("X_train.pkl",), **de))
+    complete = rubric_score(ctx(files_visible=("X_train.pkl", "X_test.pkl"), **de))
+    assert missing.score <= 4 and "X_test.pkl" in missing.rationale
+    assert complete.score > missing.score
+
+
+# ------------------------------------------------------------------------------------------------- outcome
+def episode(correct: bool | None, n: int = 3) -> Episode:
+    task = Task(id="t", problem="2+3", answer="5", source="arithmetic")
+    actions = tuple(Action(agent=f"a{i}", turn=0, messages=(), text="x") for i in range(n))
+    return Episode(id="e", workflow="mathchat", task=task, actions=actions, correct=correct)
+
+
+def test_outcome_scores_whole_episodes() -> None:
+    runner = build_coach(CoachConfig(backend="outcome"), "mathchat")
+    good, bad, unknown = runner.finish_episodes([episode(True), episode(False), episode(None)])
+    assert [a.coach.score for a in good.actions] == [10.0] * 3
+    assert [a.coach.score for a in bad.actions] == [0.0] * 3
+    assert [a.coach.score for a in unknown.actions] == [None] * 3
+    stats = runner.stats()
+    assert stats["judgments"] == 9 and stats["unscored"] == 3 and stats["calls"] == 0
+
+
+def test_outcome_per_context() -> None:
+    runner = build_coach(CoachConfig(backend="outcome"), "mathchat")
+    final = ctx(is_final=True, ground_truth="5", output="\\boxed{5}")
+    early = ctx(is_final=False)
+    known = ctx(is_final=False, extra={"episode_correct": False})
+    s_final, s_early, s_known = runner.score_many([final, early, known])
+    assert s_final.score == 10.0
+    assert s_early.score is None and "not known" in s_early.error  # never a guess
+    assert s_known.score == 0.0
+
+
+def test_finish_episodes_leaves_live_scores_of_other_backends_alone() -> None:
+    runner = build_coach(CoachConfig(backend="rubric"), "mathchat")
+    ep = episode(True)
+    assert runner.finish_episodes([ep]) == [ep]
+
+
+# --------------------------------------------------------------------------------------------------- cache
+def test_context_hash_is_canonical_and_sensitive() -> None:
+    a = ctx(extra={"x": 1, "y": 2})
+    b = ctx(extra={"y": 2, "x": 1})
+    assert context_hash(a) == context_hash(b)
+    assert context_hash(a) != context_hash(ctx(output="different"))
+    assert cache_key("openai", "m", "v1", "h") != cache_key("openai", "m", "v2", "h")
+    assert cache_key("openai", "m", "v1", "h") != cache_key("local", "m", "v1", "h")
+
+
+def test_cache_roundtrip(tmp_path: Path) -> None:
+    cache = JudgmentCache(tmp_path / "c.sqlite")
+    score = CoachScore(score=6.5, rationale="ok", raw_reply="PROCESS_SCORE: 6.5", backend="openai", model="m")
+    cache.put("k", score, backend="openai", model="m", template_version="v", ctx_hash="h")
+    assert cache.get("k") == score
+    assert cache.get("other") is None
+    cache.close()
+    reopened = JudgmentCache(tmp_path / "c.sqlite")
+    assert reopened.get("k") == score and len(reopened) == 1
+
+
+def _writer(path: str, worker: int, n: int) -> None:
+    cache = JudgmentCache(path)
+    for i in range(n):
+        s = CoachScore(score=float(i % 11), rationale=f"w{worker}")
+        cache.put(f"{worker}-{i}", s, backend="b", model="m", template_version="v", ctx_hash=str(i))
+        assert cache.get(f"{worker}-{i}") is not None
+    cache.close()
+
+
+def test_cache_is_safe_under_concurrent_writers(tmp_path: Path) -> None:
+    path = str(tmp_path / "shared.sqlite")
+    JudgmentCache(path).close()  # create the schema once, as the first run would
+    procs = [mp.get_context("spawn").Process(target=_writer, args=(path, w, 100)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    cache = JudgmentCache(path)
+    assert len(cache) == 400
+    assert cache.get("3-99").rationale == "w3"
+
+
+def test_unwritable_cache_is_a_clear_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(MappaError, match="coach.cache_path"):
+        JudgmentCache(blocker / "sub" / "c.sqlite")
+
+
+# -------------------------------------------------------------------------------------------------- runner
+def test_training_score_never_invents_by_default() -> None:
+    assert training_score(CoachScore(score=None, error="x")) is None
+    assert training_score(CoachScore(score=None, error="x"), "neutral") == 5.0
+    assert training_score(CoachScore(score=3.0)) == 3.0
+    assert training_score(None) is None
+
+
+def test_feedback_note() -> None:
+    assert "7/10" in feedback_note("Code Executor", CoachScore(score=7.0, rationale="ran fine"))
+    assert "unscored" in feedback_note("Code Executor", CoachScore(score=None))
+
+
+def test_runner_rubric_accounting_and_order() -> None:
+    runner = build_coach(CoachConfig(backend="rubric"), "mathchat")
+    contexts = [ctx(output=" "), ctx(observation="5"), ctx(observation="ValueError: bad")]
+    scores = runner.score_many(contexts)
+    assert [s.score for s in scores] == [rubric_score(c).score for c in contexts]
+    # The runner is the workflow's scorer callable.
+    assert [s.score for s in runner(contexts)] == [s.score for s in runner.score_many(contexts)]
+    stats = runner.stats()
+    assert stats["judgments"] == 9 and stats["calls"] == 0 and stats["cache_hits"] == 0 and stats["unscored"] == 0
+    assert runner.cache is None  # free rules are not cached
+    runner.close()
+
+
+def test_build_coach_errors() -> None:
+    with pytest.raises(MappaError, match="coach.model"):
+        build_coach(CoachConfig(backend="openai", base_url="http://127.0.0.1:9/v1"), "mathchat")
+    with pytest.raises(MappaError, match="coach.model"):
+        build_coach(CoachConfig(backend="local"), "mathchat")

@@ -1,0 +1,335 @@
+"""The `openai` coach against a real local HTTP server that misbehaves on purpose.
+
+The server (stdlib `http.server`, threads) picks its behaviour per request from a `CASE=<name>` tag in
+the task text, so concurrent judgments stay deterministic: each case has a list of responses for its
+1st, 2nd, ... request (the last one repeats).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from mappa.coach import build_coach
+from mappa.coach.openai_backend import OpenAICoach, retry_after_s
+from mappa.config import CoachConfig
+from mappa.errors import MappaError
+from mappa.types import CoachContext, Message
+
+
+def reply(
+    text: str, logprobs: list[dict] | None = None, prompt_tokens: int = 100, completion_tokens: int = 20
+) -> dict:
+    return {"kind": "reply", "text": text, "logprobs": logprobs, "usage": (prompt_tokens, completion_tokens)}
+
+
+OK = reply("ANALYSIS: the code ran and printed the answer.\nPROCESS_SCORE: 7")
+
+
+class FaultServer:
+    def __init__(self, plan: dict[str, list[dict]]) -> None:
+        self.plan = plan
+        self.attempts: dict[str, int] = defaultdict(int)
+        self.requests: list[dict] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                text = json.dumps(body["messages"])
+                case = text.split("CASE=")[1].split(" ")[0].split("\\")[0] if "CASE=" in text else "default"
+                with server.lock:
+                    server.requests.append(body)
+                    n = server.attempts[case]
+                    server.attempts[case] += 1
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                steps = server.plan.get(case) or server.plan.get("default", [OK])
+                step = steps[min(n, len(steps) - 1)]
+                try:
+                    self.respond(step, body)
+                finally:
+                    with server.lock:
+                        server.in_flight -= 1
+
+            def respond(self, step: dict, body: dict) -> None:
+                kind = step["kind"]
+                if kind == "status":
+                    err = {"error": {"message": step.get("message", "boom"), "type": "x", "code": None}}
+                    self._send(step["status"], json.dumps(err).encode(), step.get("headers"))
+                elif kind == "hang":
+                    time.sleep(step["seconds"])
+                    self._send(200, json.dumps(completion(OK, body)).encode())
+                elif kind == "garbage":
+                    self._send(200, b"<html>502 bad gateway</html>{{{")
+                elif kind == "delay":
+                    time.sleep(step["seconds"])
+                    self._send(200, json.dumps(completion(OK, body)).encode())
+                elif kind == "no_logprobs" and body.get("logprobs"):
+                    err = {"error": {"message": "logprobs are not supported", "type": "invalid_request_error"}}
+                    self._send(400, json.dumps(err).encode())
+                else:
+                    self._send(200, json.dumps(completion(step if kind == "reply" else OK, body)).encode())
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def completion(step: dict, body: dict) -> dict:
+    p, c = step["usage"]
+    choice = {"index": 0, "message": {"role": "assistant", "content": step["text"]}, "finish_reason": "stop"}
+    if step.get("logprobs") is not None and body.get("logprobs"):
+        choice["logprobs"] = {"content": step["logprobs"], "refusal": None}
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": body["model"],
+        "choices": [choice],
+        "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
+    }
+
+
+def status(code: int, headers: dict[str, str] | None = None, message: str = "boom") -> dict:
+    return {"kind": "status", "status": code, "headers": headers, "message": message}
+
+
+def ctx(case: str, **kw) -> CoachContext:
+    base = dict(
+        task=f"CASE={case} What is 2 + 3?",
+        workflow="mathchat",
+        agent="code_executor",
+        role="Code Executor",
+        is_final=False,
+        messages=(Message(role="user", content="Problem: 2 + 3"),),
+        output="```python\nprint(2 + 3)\n```",
+        observation="5",
+    )
+    base.update(kw)
+    return CoachContext(**base)
+
+
+@pytest.fixture
+def serve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    monkeypatch.setattr(OpenAICoach, "backoff_base_s", 0.01)
+    servers, runners = [], []
+
+    def start(plan: dict[str, list[dict]], **cfg_kw):
+        server = FaultServer(plan)
+        servers.append(server)
+        cfg = dict(
+            backend="openai",
+            model="judge",
+            base_url=server.url,
+            api_key_env="MAPPA_TEST_NO_SUCH_KEY",
+            timeout_s=5.0,
+            max_retries=2,
+            cache_path=str(tmp_path / "cache.sqlite"),
+        )
+        cfg.update(cfg_kw)
+        runner = build_coach(CoachConfig(**cfg), "mathchat")
+        runners.append(runner)
+        return server, runner
+
+    yield start
+    for r in runners:
+        r.close()
+    for s in servers:
+        s.close()
+
+
+def test_retry_after_is_honoured(serve) -> None:
+    server, runner = serve({"rl": [status(429, {"Retry-After": "1"}), OK]})
+    t0 = time.perf_counter()
+    (score,) = runner.score_many([ctx("rl")])
+    assert time.perf_counter() - t0 >= 0.95
+    assert score.score == 7.0 and score.error is None
+    stats = runner.stats()
+    assert (stats["calls"], stats["retries"], stats["failures"], stats["unscored"]) == (2, 1, 0, 0)
+
+
+def test_server_errors_exhaust_retries_and_leave_the_action_unscored(serve) -> None:
+    server, runner = serve({"down": [status(500)]})
+    (score,) = runner.score_many([ctx("down")])
+    assert score.score is None and score.error.startswith("request failed")
+    assert "HTTP 500" in score.error and "3 attempts" in score.error
+    stats = runner.stats()
+    assert (stats["calls"], stats["retries"], stats["failures"], stats["unscored"]) == (3, 2, 1, 1)
+    # Failures are not cached: the next pass asks again (and this time the server is still down).
+    runner.score_many([ctx("down")])
+    assert server.attempts["down"] == 6 and runner.stats()["cache_hits"] == 0
+
+
+def test_a_hanging_endpoint_times_out_and_is_retried(serve) -> None:
+    server, runner = serve({"slow": [{"kind": "hang", "seconds": 3}, OK]}, timeout_s=0.5)
+    t0 = time.perf_counter()
+    (score,) = runner.score_many([ctx("slow")])
+    assert time.perf_counter() - t0 < 2.5
+    assert score.score == 7.0
+    assert runner.stats()["retries"] == 1
+
+
+def test_garbage_is_a_failure_not_a_score(serve) -> None:
+    server, runner = serve({"junk": [{"kind": "garbage"}]})
+    (score,) = runner.score_many([ctx("junk")])
+    assert score.score is None and score.error.startswith("request failed: invalid response")
+    stats = runner.stats()
+    assert stats["failures"] == 1 and stats["unscored"] == 1
+
+
+def test_missing_score_line_gets_one_follow_up(serve) -> None:
+    first = reply("The code in step 3 is fine, it prints 5 out of 10 digits.")
+    server, runner = serve({"fmt": [first, reply("PROCESS_SCORE: 6")]})
+    (score,) = runner.score_many([ctx("fmt")])
+    assert score.score == 6.0  # from the follow-up, not the stray 3/5/10 of the analysis
+    assert score.rationale.startswith("The code in step 3")
+    follow = server.requests[-1]["messages"]
+    assert len(follow) == 4 and follow[2]["role"] == "assistant" and "PROCESS_SCORE" in follow[3]["content"]
+    stats = runner.stats()
+    assert stats["calls"] == 2 and stats["prompt_tokens"] == 200 and stats["completion_tokens"] == 40
+
+
+def test_still_missing_after_follow_up_is_unscored_and_cached(serve) -> None:
+    server, runner = serve({"mute": [reply("Looks good overall, 8 steps.")]})
+    (score,) = runner.score_many([ctx("mute")])
+    assert score.score is None and "after the follow-up" in score.error
+    assert server.attempts["mute"] == 2  # exactly one follow-up
+    again = runner.score_many([ctx("mute")])[0]
+    assert again.cached and again.score is None and server.attempts["mute"] == 2
+    stats = runner.stats()
+    assert stats["cache_hits"] == 1 and stats["unscored"] == 2 and stats["calls"] == 2
+
+
+def test_mixed_faults_in_one_concurrent_run(serve) -> None:
+    plan = {
+        "ok": [OK],
+        "rl": [status(429, {"Retry-After": "0"}), OK],
+        "down": [status(503)],
+        "junk": [{"kind": "garbage"}],
+        "fmt": [reply("no line here"), reply("PROCESS_SCORE: 4")],
+    }
+    server, runner = serve(plan, concurrency=4)
+    cases = ["ok", "rl", "down", "junk", "fmt"]
+    scores = runner.score_many([ctx(c) for c in cases])
+    assert [s.score for s in scores] == [7.0, 7.0, None, None, 4.0]
+    stats = runner.stats()
+    # calls: ok 1 + rl 2 + down 3 + junk 1 + fmt 2
+    assert stats["calls"] == 9 and stats["retries"] == 3 and stats["failures"] == 2 and stats["unscored"] == 2
+    # Second pass: the three judgments are cached, the two failures are asked again.
+    runner.score_many([ctx(c) for c in cases])
+    assert runner.stats()["cache_hits"] == 3
+    assert server.attempts["ok"] == 1 and server.attempts["down"] == 6
+
+
+def test_expected_score_from_top_logprobs(serve) -> None:
+    def tok(t: str, p: float, top: dict[str, float] | None = None) -> dict:
+        alts = top or {t: p}
+        return {
+            "token": t,
+            "logprob": math.log(p),
+            "bytes": None,
+            "top_logprobs": [{"token": k, "logprob": math.log(v), "bytes": None} for k, v in alts.items()],
+        }
+
+    content = [tok("Fine", 1.0), tok(".\n", 1.0), tok("PROCESS_SCORE", 1.0), tok(":", 1.0)]
+    content += [tok(" 7", 0.5, {" 7": 0.5, " 8": 0.3, " 6": 0.2}), tok("\n", 1.0)]
+    step = reply("Fine.\nPROCESS_SCORE: 7\n", logprobs=content)
+    server, runner = serve({"lp": [step]})
+    (score,) = runner.score_many([ctx("lp")])
+    assert score.score == pytest.approx(7.1)
+    assert server.requests[0]["logprobs"] is True and server.requests[0]["top_logprobs"] == 20
+    # Switched off: the sampled number, and no logprobs requested.
+    server2, runner2 = serve({"lp": [step]}, expected_score=False, cache=False)
+    assert runner2.score_many([ctx("lp")])[0].score == 7.0
+    assert "logprobs" not in server2.requests[0]
+
+
+def test_servers_without_logprobs_fall_back_to_parsing(serve) -> None:
+    server, runner = serve({"default": [{"kind": "no_logprobs"}]}, cache=False)
+    scores = runner.score_many([ctx("a"), ctx("b")])
+    assert [s.score for s in scores] == [7.0, 7.0]
+    assert sum(bool(r.get("logprobs")) for r in server.requests) >= 1
+    assert not server.requests[-1].get("logprobs")
+    assert runner.stats()["failures"] == 0
+
+
+def test_concurrency_limit(serve) -> None:
+    server, runner = serve({"default": [{"kind": "delay", "seconds": 0.3}]}, concurrency=2, cache=False)
+    scores = runner.score_many([ctx(f"c{i} ") for i in range(6)])
+    assert all(s.score == 7.0 for s in scores)
+    assert server.max_in_flight == 2
+
+
+def test_cost_and_latency_accounting(serve) -> None:
+    server, runner = serve({"default": [OK]}, price_prompt_per_m=2.0, price_completion_per_m=10.0, cache=False)
+    runner.score_many([ctx(f"x{i} ") for i in range(4)])
+    stats = runner.stats()
+    assert stats["prompt_tokens"] == 400 and stats["completion_tokens"] == 80
+    assert stats["cost_usd"] == pytest.approx((400 * 2.0 + 80 * 10.0) / 1e6)
+    assert 0 < stats["latency_p50_s"] <= stats["latency_p95_s"]
+
+
+def test_wrong_credentials_stop_the_run_with_one_line(serve) -> None:
+    server, runner = serve({"default": [status(401, message="invalid api key")]})
+    with pytest.raises(MappaError, match="HTTP 401"):
+        runner.score_many([ctx("any")])
+
+
+def test_api_key_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MAPPA_TEST_NO_SUCH_KEY", raising=False)
+    remote = CoachConfig(
+        backend="openai", model="m", base_url="https://example.com/v1", api_key_env="MAPPA_TEST_NO_SUCH_KEY"
+    )
+    with pytest.raises(MappaError, match="MAPPA_TEST_NO_SUCH_KEY"):
+        build_coach(remote, "mathchat")
+    local = remote.model_copy(update={"base_url": "http://localhost:8000/v1"})
+    assert build_coach(local, "mathchat").coach.base_url == "http://localhost:8000/v1"  # a dummy key is fine
+    monkeypatch.setenv("MAPPA_TEST_NO_SUCH_KEY", "sk-test")
+    assert build_coach(remote, "mathchat").coach.name == "openai"
+
+
+def test_retry_after_parsing() -> None:
+    assert retry_after_s({"retry-after": "3"}) == 3.0
+    assert retry_after_s({"retry-after-ms": "250"}) == 0.25
+    assert retry_after_s({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}) == 0.0  # in the past
+    assert retry_after_s({"retry-after": "soon"}) is None
+    assert retry_after_s({}) is None
+
+
+def test_identical_contexts_in_one_batch_are_paid_once(serve) -> None:
+    server, runner = serve({"dup": [{"kind": "delay", "seconds": 0.2}]}, concurrency=4)
+    scores = runner.score_many([ctx("dup"), ctx("dup"), ctx("dup")])
+    assert [s.score for s in scores] == [7.0, 7.0, 7.0]
+    assert server.attempts["dup"] == 1
+    stats = runner.stats()
+    assert stats["calls"] == 1 and stats["cache_hits"] == 2 and stats["judgments"] == 3
