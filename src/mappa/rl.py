@@ -1,0 +1,124 @@
+"""The RL math of MAPPA (method.md section 2) as small pure torch functions.
+
+REINFORCE++ as in OpenRLHF, applied per agent:
+  reward_t  = -kl_coef * (log pi(a_t) - log pi_ref(a_t))          on every valid token (k1 estimator)
+            + score                                                 on the last valid token of the action
+  return_t  = sum_{k >= t} gamma^(k-t) reward_k                     within one action (no cross-action credit)
+  advantage = whiten(return) over every valid token of one agent's batch
+  loss      = PPO clipped surrogate against the rollout-time logprobs, token-level mean
+
+Tensors are `[B, T]` (one row per action, response tokens only); `mask` is 1 on valid tokens. Values
+under `mask == 0` are never read, so padding may hold anything (even inf/nan). No config objects, no
+logging, no mutation: importing this module costs nothing beyond torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Log-ratios are clamped before exp() so a stale or corrupted old_logp cannot overflow the loss; at
+# |log ratio| = 20 the ratio is far outside any clip range, so the clamp never changes a sane update.
+_MAX_LOG_RATIO = 20.0
+
+
+def _valid(mask: torch.Tensor) -> torch.Tensor:
+    return mask.to(torch.bool)
+
+
+def token_rewards(
+    scores: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, kl_coef: float
+) -> torch.Tensor:
+    """Per-token rewards `[B, T]`: k1 KL penalty on every valid token plus `scores[b]` on the last valid token.
+
+    scores: (B,) one scalar per action (already scaled, e.g. coach score / 10).
+    Rows without any valid token get all-zero rewards.
+    """
+    valid = _valid(mask)
+    kl = torch.where(valid, logp - ref_logp, torch.zeros_like(logp))
+    rewards = -kl_coef * kl
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(valid, positions, torch.full_like(positions, -1)).max(dim=1).values  # (B,) -1 if empty
+    has_any = last >= 0
+    rows = torch.arange(mask.shape[0], device=mask.device)[has_any]
+    rewards = rewards.clone()
+    rewards[rows, last[has_any]] += scores.to(rewards.dtype)[has_any]
+    return rewards
+
+
+def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """Discounted sum of the rewards from t to the end of the row `[B, T]`; zero on padding."""
+    valid = _valid(mask)
+    r = torch.where(valid, rewards, torch.zeros_like(rewards))
+    if gamma == 1.0:
+        # A reversed cumulative sum is exact for gamma 1 and avoids a Python loop over T.
+        out = r.flip(1).cumsum(1).flip(1)
+    else:
+        out = torch.zeros_like(r)
+        running = torch.zeros_like(r[:, 0])
+        for t in range(r.shape[1] - 1, -1, -1):
+            running = r[:, t] + gamma * running
+            out[:, t] = running
+    return torch.where(valid, out, torch.zeros_like(out))
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) with mean and (biased) variance over all valid tokens of the batch.
+
+    Computed in float64 so huge rewards do not overflow when squared; padding comes back as 0. An empty
+    mask returns zeros, a constant batch returns zeros.
+    """
+    valid = _valid(mask)
+    x64 = torch.where(valid, x.to(torch.float64), torch.zeros((), dtype=torch.float64, device=x.device))
+    count = valid.sum().clamp(min=1).to(torch.float64)
+    mean = x64.sum() / count
+    centered = torch.where(valid, x64 - mean, torch.zeros_like(x64))
+    var = (centered * centered).sum() / count
+    out = centered * torch.rsqrt(var + eps)
+    return out.to(x.dtype)
+
+
+def reinforce_pp_advantages(
+    scores: torch.Tensor,
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    gamma: float = 1.0,
+) -> torch.Tensor:
+    """REINFORCE++ advantages `[B, T]` for one agent's batch: token rewards -> returns -> whitening."""
+    rewards = token_rewards(scores, logp, ref_logp, mask, kl_coef)
+    return masked_whiten(returns_to_go(rewards, mask, gamma), mask)
+
+
+def clipped_pg_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float = 0.2,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped surrogate, averaged over valid tokens (token-level mean).
+
+    logp: (B, T) log pi_theta, differentiable; old_logp: (B, T) rollout-time log-probs; advantages: (B, T).
+    Returns the scalar loss and detached stats: clip_frac, ratio_mean, approx_kl (k3, old -> new), tokens.
+    """
+    valid = _valid(mask)
+    zeros = torch.zeros_like(logp)
+    log_ratio = torch.where(valid, logp - old_logp, zeros).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    adv = torch.where(valid, advantages, zeros)
+    surr = ratio * adv
+    surr_clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv
+    per_token = -torch.minimum(surr, surr_clipped)
+    count = valid.sum().clamp(min=1)
+    loss = torch.where(valid, per_token, zeros).sum() / count
+    with torch.no_grad():
+        clipped = (surr_clipped < surr) & valid
+        k3 = torch.exp(-log_ratio) - 1 + log_ratio  # KL(old || new) estimate, >= 0
+        stats = {
+            "clip_frac": float(clipped.sum() / count),
+            "ratio_mean": float(torch.where(valid, ratio, zeros).sum() / count),
+            "approx_kl": float(torch.where(valid, k3, zeros).sum() / count),
+            "tokens": float(valid.sum()),
+        }
+    return loss, stats

@@ -1,0 +1,76 @@
+"""Every shipped preset loads, round-trips, and names things that exist (tasks, coach, workflow)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mappa.config import dump_config, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
+DATA = ROOT.parent / "shared" / "data" / "math"
+
+
+def test_the_presets_are_all_there() -> None:
+    assert {p.name for p in PRESETS} >= {"demo.yaml", "mathchat.yaml", "mathchat_outcome.yaml"}
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_preset_loads_and_round_trips(path: Path, tmp_path: Path) -> None:
+    cfg = load_config(path)
+    again = tmp_path / "resolved.yaml"
+    again.write_text(dump_config(cfg))
+    assert load_config(again) == cfg
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_preset_names_known_components(path: Path) -> None:
+    from mappa.coach import COACHES
+    from mappa.tasks import SOURCES
+
+    cfg = load_config(path)
+    assert cfg.coach.backend in COACHES
+    assert set(cfg.tasks.train) <= set(SOURCES) and set(cfg.tasks.eval) <= set(SOURCES)
+    try:
+        from mappa.workflows import WORKFLOWS
+    except ImportError:
+        pytest.skip("mappa.workflows not available")
+    assert cfg.workflow.name in WORKFLOWS
+
+
+@pytest.mark.skipif(not DATA.is_dir(), reason="math data directory not present")
+@pytest.mark.parametrize("name", ["mathchat.yaml", "mathchat_outcome.yaml"])
+def test_paper_presets_resolve_their_data(name: str) -> None:
+    from mappa.tasks import load_tasks
+
+    cfg = load_config(ROOT / "configs" / name, [f"tasks.data_dir={DATA}"])
+    train = load_tasks(cfg.tasks.train, cfg.tasks, "train", cfg.seed)
+    held_out = load_tasks(cfg.tasks.eval, cfg.tasks, "eval", cfg.seed)
+    assert len(train) == 512
+    assert len(held_out) == 30 + 32  # AIME 2025 + the AMC eval set
+    assert not {t.problem for t in train} & {t.problem for t in held_out}
+
+
+def test_paper_settings() -> None:
+    cfg = load_config(ROOT / "configs" / "mathchat.yaml")
+    t = cfg.train
+    assert (t.prompts_per_step, t.samples_per_prompt, t.steps) == (32, 2, 128)
+    assert (t.kl_coef, t.clip_eps, t.gamma, t.grad_clip, tuple(t.adam_betas)) == (0.01, 0.2, 1.0, 1.0, (0.9, 0.95))
+    assert (t.warmup_ratio, t.min_lr_ratio) == (0.03, 0.1)
+    assert (cfg.generation.max_new_tokens, cfg.eval.samples, cfg.eval.temperature) == (4096, 4, 0.6)
+    assert cfg.coach.backend == "openai" and cfg.coach.temperature == 0.0
+
+
+def test_outcome_baseline_differs_only_in_the_coach() -> None:
+    process = load_config(ROOT / "configs" / "mathchat.yaml").model_dump()
+    outcome = load_config(ROOT / "configs" / "mathchat_outcome.yaml").model_dump()
+    assert outcome["coach"]["backend"] == "outcome"
+    for section in ("model", "generation", "tasks", "train", "eval", "workflow"):
+        assert process[section] == outcome[section], section
+
+
+def test_demo_switches_to_an_llm_coach_with_one_override() -> None:
+    cfg = load_config(ROOT / "configs" / "demo.yaml", ["coach.backend=openai"])
+    assert cfg.coach.backend == "openai" and cfg.model.name == "smollm2-135m-instruct"

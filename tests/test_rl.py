@@ -1,0 +1,143 @@
+"""The RL math, three ways: hand-computed tensors, invariances, degenerate inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mappa.rl import clipped_pg_loss, masked_whiten, reinforce_pp_advantages, returns_to_go, token_rewards
+
+MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.float32)
+
+
+def test_token_rewards_hand_computed() -> None:
+    logp = torch.tensor([[-1.0, -2.0, -3.0, 9.0], [-1.0, -1.0, -1.0, -1.0]])
+    ref = torch.tensor([[-1.5, -2.0, -2.0, 9.0], [-2.0, -1.0, -1.0, -0.5]])
+    scores = torch.tensor([0.7, 0.2])
+    r = token_rewards(scores, logp, ref, MASK, kl_coef=0.1)
+    expected = torch.tensor([[-0.05, 0.0, 0.1 + 0.7, 0.0], [-0.1, 0.0, 0.0, 0.05 + 0.2]])
+    torch.testing.assert_close(r, expected)
+
+
+def test_returns_to_go_hand_computed() -> None:
+    rewards = torch.tensor([[1.0, 2.0, 3.0, 100.0], [1.0, 0.0, 0.0, 1.0]])
+    torch.testing.assert_close(
+        returns_to_go(rewards, MASK), torch.tensor([[6.0, 5.0, 3.0, 0.0], [2.0, 1.0, 1.0, 1.0]])
+    )
+    torch.testing.assert_close(
+        returns_to_go(rewards, MASK, gamma=0.5), torch.tensor([[2.75, 3.5, 3.0, 0.0], [1.125, 0.25, 0.5, 1.0]])
+    )
+
+
+def test_returns_loop_equals_vectorised_at_gamma_one() -> None:
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randn(5, 9, generator=g)
+    mask = (torch.rand(5, 9, generator=g) > 0.2).float()
+    fast = returns_to_go(rewards, mask, gamma=1.0)
+    slow = returns_to_go(rewards, mask, gamma=1.0 - 1e-12)
+    torch.testing.assert_close(fast, slow)
+
+
+def test_masked_whiten_hand_computed() -> None:
+    x = torch.tensor([[1.0, 2.0, 3.0, 50.0], [4.0, 5.0, 6.0, 7.0]])
+    valid = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
+    expected_valid = (valid - 4.0) / math.sqrt(4.0 + 1e-8)  # biased var of 1..7 = 4
+    out = masked_whiten(x, MASK)
+    torch.testing.assert_close(out[MASK.bool()], expected_valid)
+    assert out[0, 3] == 0.0
+
+
+def test_reinforce_pp_advantages_composes_the_three() -> None:
+    logp = torch.tensor([[-1.0, -2.0, -3.0, 0.0], [-1.0, -1.0, -1.0, -1.0]])
+    ref = logp - 0.3
+    scores = torch.tensor([1.0, 0.0])
+    adv = reinforce_pp_advantages(scores, logp, ref, MASK, kl_coef=0.01)
+    # rewards: -0.003 per token, +1 on row 0's 3rd token; returns then whitened
+    ret = torch.tensor([[1.0 - 0.009, 1.0 - 0.006, 1.0 - 0.003, 0.0], [-0.012, -0.009, -0.006, -0.003]])
+    torch.testing.assert_close(adv, masked_whiten(ret, MASK))
+    # the better-scored action gets positive advantages on every token
+    assert (adv[0, :3] > 0).all() and (adv[1] < 0).all()
+
+
+def test_clipped_pg_loss_hand_computed() -> None:
+    old = torch.zeros(2, 4)
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.0, 7.0], [1.1, 0.9, 1.0, 1.0]]))
+    adv = torch.tensor([[1.0, -1.0, 2.0, 5.0], [-1.0, 1.0, 0.0, 3.0]])
+    loss, stats = clipped_pg_loss(logp, old, adv, MASK, clip_eps=0.2)
+    # per token -min(r*A, clip(r)*A): row0: -1.2, +0.8, -2 ; row1: 1.1, -0.9, 0, -3
+    expected = (-1.2 + 0.8 - 2.0 + 1.1 - 0.9 + 0.0 - 3.0) / 7
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert stats["clip_frac"] == pytest.approx(2 / 7)  # tokens (0,0) and (0,1)
+    assert stats["tokens"] == 7
+
+
+def test_clipped_pg_loss_gradient_flows_only_where_unclipped() -> None:
+    logp = torch.log(torch.tensor([[1.5, 1.1]])).requires_grad_()
+    loss, _ = clipped_pg_loss(logp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2))
+    loss.backward()
+    assert logp.grad[0, 0] == 0.0  # ratio 1.5 > 1.2 with A > 0: clipped, no gradient
+    assert logp.grad[0, 1] == pytest.approx(-1.1 / 2)
+
+
+def test_padding_values_are_ignored() -> None:
+    g = torch.Generator().manual_seed(1)
+    logp, ref, old = (torch.randn(2, 4, generator=g) for _ in range(3))
+    scores = torch.tensor([0.3, 0.9])
+    adv = reinforce_pp_advantages(scores, logp, ref, MASK, kl_coef=0.05)
+    loss, _ = clipped_pg_loss(logp, old, adv, MASK)
+    garbage = [t.clone() for t in (logp, ref, old)]
+    for t in garbage:
+        t[0, 3] = float("nan") if t is garbage[0] else 1e30
+    adv2 = reinforce_pp_advantages(scores, garbage[0], garbage[1], MASK, kl_coef=0.05)
+    loss2, _ = clipped_pg_loss(garbage[0], garbage[2], adv2, MASK)
+    torch.testing.assert_close(adv, adv2)
+    torch.testing.assert_close(loss, loss2)
+
+
+def test_agents_do_not_share_whitening_statistics() -> None:
+    g = torch.Generator().manual_seed(2)
+    a_logp, a_ref = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    a_mask, a_scores = torch.ones(3, 5), torch.tensor([0.1, 0.5, 0.9])
+    alone = reinforce_pp_advantages(a_scores, a_logp, a_ref, a_mask, 0.01)
+    for other_scores in (torch.tensor([0.0, 0.0]), torch.tensor([100.0, -50.0])):
+        _ = reinforce_pp_advantages(other_scores, torch.randn(2, 5), torch.randn(2, 5), torch.ones(2, 5), 0.01)
+        again = reinforce_pp_advantages(a_scores, a_logp, a_ref, a_mask, 0.01)
+        torch.testing.assert_close(alone, again)
+    # ...whereas pooling the two agents would have changed agent A's advantages
+    pooled = reinforce_pp_advantages(
+        torch.cat([a_scores, torch.tensor([100.0, -50.0])]),
+        torch.cat([a_logp, torch.zeros(2, 5)]),
+        torch.cat([a_ref, torch.zeros(2, 5)]),
+        torch.ones(5, 5),
+        0.01,
+    )[:3]
+    assert not torch.allclose(pooled, alone)
+
+
+@pytest.mark.parametrize(
+    "scores,logp,mask",
+    [
+        (torch.tensor([0.5, 0.5]), torch.zeros(2, 4), MASK),  # all-equal scores, zero KL
+        (torch.tensor([0.9]), torch.zeros(1, 1), torch.ones(1, 1)),  # a single token
+        (torch.tensor([1e30, -1e30]), torch.full((2, 4), -1e30), MASK),  # huge values
+        (torch.zeros(0), torch.zeros(0, 4), torch.zeros(0, 4)),  # empty batch
+        (torch.tensor([0.5, 0.2]), torch.zeros(2, 4), torch.zeros(2, 4)),  # no valid token
+    ],
+)
+def test_degenerate_inputs_stay_finite(scores: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> None:
+    adv = reinforce_pp_advantages(scores, logp, torch.zeros_like(logp), mask, kl_coef=0.01)
+    assert torch.isfinite(adv).all()
+    loss, stats = clipped_pg_loss(logp.clone().requires_grad_(), torch.zeros_like(logp), adv, mask)
+    assert torch.isfinite(loss)
+    assert all(math.isfinite(v) for v in stats.values())
+    loss.backward()
+
+
+def test_equal_scores_give_zero_advantage() -> None:
+    adv = reinforce_pp_advantages(
+        torch.tensor([0.5, 0.5]), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), 0.0
+    )
+    # returns differ only by position (score on the last token is reached from every earlier token)
+    torch.testing.assert_close(adv, torch.zeros(2, 3))
