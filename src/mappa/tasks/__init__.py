@@ -1,0 +1,78 @@
+"""Task sets for the workflows: the generated arithmetic default, the math data files, and answer checking.
+
+    load_tasks(["aime"], cfg.tasks, "train", seed=42)   # AIME 1983-2024 minus every eval problem
+    check_answer("... so \\boxed{080}", "80")             # True
+
+Sources: "arithmetic" (generated, no files), and the math files under `tasks.data_dir` / $MAPPA_DATA_DIR:
+"aime" (1983-2024), "aime2025", "aime_eval32", "amc", "amc_eval32", "math500", "gsm8k" (train split),
+"gsm8k_test".
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Literal
+
+from mappa.config import TasksConfig
+from mappa.errors import MappaError
+from mappa.paths import data_dir
+from mappa.tasks.answers import check_answer, extract_answer
+from mappa.tasks.arithmetic import arithmetic_tasks
+from mappa.tasks.math import HELD_OUT_SOURCES, MATH_SOURCES, near_duplicate, normalise_problem
+from mappa.types import Task
+
+SOURCES = ("arithmetic", *MATH_SOURCES)
+
+__all__ = ["SOURCES", "check_answer", "extract_answer", "load_source", "load_tasks", "normalise_problem"]
+
+
+def load_source(name: str, cfg: TasksConfig, split: Literal["train", "eval"], seed: int) -> list[Task]:
+    """All tasks of one source, in file order (arithmetic: generated for `split`)."""
+    if name == "arithmetic":
+        n = cfg.arithmetic_train_size if split == "train" else cfg.arithmetic_eval_size
+        return arithmetic_tasks(n, cfg.arithmetic_levels, split, seed, cfg.arithmetic_eval_size)
+    if name not in MATH_SOURCES:
+        raise MappaError(f"tasks.{split}: unknown task source {name!r} (known: {', '.join(SOURCES)})")
+    return MATH_SOURCES[name](data_dir(cfg.data_dir))
+
+
+def _held_out(key: str, held_out: dict[str, list[str]]) -> bool:
+    return any(key == other or near_duplicate(key, other) for other in held_out.get(key[:48], ()))
+
+
+def load_tasks(names: Sequence[str], cfg: TasksConfig, split: Literal["train", "eval"], seed: int) -> list[Task]:
+    """The tasks of `names` for `split`, deduplicated, with a seeded draw of `cfg.train_size`/`cfg.eval_size`.
+
+    Training pools lose every problem that also appears (by normalised text) in an evaluation source: the
+    configured `cfg.eval` sources and the paper's held-out sets (aime2025, aime_eval32, amc_eval32). A draw uses
+    `random.Random(seed).sample`, as in the paper (512 of the 933 AIME problems with seed 42).
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if not names:
+        raise MappaError(f"tasks.{split}: no task sources configured")
+    pool: list[Task] = []
+    seen: set[str] = set()
+    for name in names:
+        for task in load_source(name, cfg, split, seed):
+            key = normalise_problem(task.problem)
+            if key not in seen:  # the same problem listed twice (amc and amc_eval32) counts once
+                seen.add(key)
+                pool.append(task)
+    if split == "train" and any(n != "arithmetic" for n in names):
+        held_out: dict[str, list[str]] = {}  # opening -> normalised eval problems (for near duplicates)
+        for name in dict.fromkeys([*cfg.eval, *HELD_OUT_SOURCES]):
+            if name != "arithmetic":  # arithmetic keeps train/eval apart itself
+                for t in load_source(name, cfg, "eval", seed):
+                    key = normalise_problem(t.problem)
+                    held_out.setdefault(key[:48], []).append(key)
+        pool = [t for t in pool if not _held_out(normalise_problem(t.problem), held_out)]
+        if not pool:
+            raise MappaError(f"tasks.train: {list(names)} has no problems left after removing evaluation problems")
+    size = cfg.train_size if split == "train" else cfg.eval_size
+    if size is not None:
+        if size > len(pool):
+            raise MappaError(f"tasks.{split}_size: {size} requested but {list(names)} has only {len(pool)} tasks")
+        pool = random.Random(seed).sample(pool, size)
+    return pool

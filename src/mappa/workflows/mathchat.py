@@ -1,0 +1,303 @@
+"""MathChat: Problem Solver -> Code Executor -> Verifier on competition math (method.md section 4).
+
+| agent          | turns                     | tools  | sees                                                       |
+|----------------|---------------------------|--------|------------------------------------------------------------|
+| problem_solver | 1                         | none   | the problem                                                |
+| code_executor  | <= workflow.coder_max_turns | python | the problem + the Solver's full output                   |
+| verifier       | 1                         | none   | the problem + only the Code Executor's final action and    |
+|                |                           |        | the last tool output; answers in \\boxed{}                 |
+
+The Code Executor: every ```python block of an action is joined in order into one snippet that runs once in
+the episode's workspace; the observation comes back as a user turn `<tool_response>...</tool_response>`.
+It stops at an action without code or at its turn cap (the last action's code still runs, so the Verifier
+sees its output). Every Action records exactly the messages its agent saw, including earlier turns.
+
+With `show_coach_feedback`, the coach scores each stage before the next one starts and an agent's prompt
+carries the coach's note on every earlier action whose text it is shown (off by default, as in the
+published code).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from rich.progress import Progress
+
+from mappa.config import GenerationConfig, WorkflowConfig
+from mappa.sandbox import new_workspace, remove_workspace
+from mappa.sandbox.codeblocks import extract_code_blocks, format_observation
+from mappa.tasks import check_answer, extract_answer
+from mappa.types import Action, CoachContext, Episode, ExecResult, Message, Task
+from mappa.workflows.base import (
+    NO_TOOL,
+    AgentSpec,
+    EpisodeState,
+    Scorer,
+    StageProgress,
+    Turn,
+    clip_middle,
+    run_stage,
+    score_stage,
+)
+
+_TEAM = "a math team of three agents: Problem Solver, then Code Executor, then Verifier"
+
+SOLVER = AgentSpec(
+    name="problem_solver",
+    title="Problem Solver",
+    role=(
+        f"You are the Problem Solver, the first agent of {_TEAM}. The Code Executor will check your work by "
+        "running Python, and the Verifier gives the team's final answer: the team succeeds only if the "
+        "Verifier's answer is right. Solve the problem step by step and state your answer clearly. You cannot "
+        "run code. Keep it short: your reply is cut off after {budget} tokens."
+    ),
+    max_turns=1,
+    sees="the problem",
+)
+
+CODER = AgentSpec(
+    name="code_executor",
+    title="Code Executor",
+    role=(
+        f"You are the Code Executor, the second agent of {_TEAM}. You see the problem and the Problem "
+        "Solver's answer. Write a ```python code block that computes the answer and prints it; the code runs "
+        "and its output comes back to you in <tool_response>. You can run code {turns} time(s); reply without a "
+        "code block when you are done, stating the result. The Verifier sees only your final message and the "
+        "last tool output, so make your final message self-contained. Keep it short: each reply is cut off "
+        "after {budget} tokens."
+    ),
+    max_turns=2,
+    tools=("python",),
+    sees="the problem and the Problem Solver's full output",
+)
+
+VERIFIER = AgentSpec(
+    name="verifier",
+    title="Verifier",
+    role=(
+        f"You are the Verifier, the last agent of {_TEAM}. You see the problem, the Code Executor's final "
+        "message and its last tool output. Check them and give the team's final answer as \\boxed{{answer}}. "
+        "The team succeeds only if your boxed answer is right. Keep it short: your reply is cut off after "
+        "{budget} tokens."
+    ),
+    max_turns=1,
+    sees="the problem, the Code Executor's final action and the last tool output (not the Solver's text)",
+)
+
+
+# The task restated at the end of each prompt: small models follow the last instruction they read.
+SOLVER_ASK = "Solve it step by step and end with the answer."
+CODER_ASK = "Write a ```python block that computes the answer and prints it."
+VERIFIER_ASK = "Check the work, then give the final answer in the form \\boxed{...}."
+
+
+def tool_response(result: ExecResult, max_chars: int = 2000) -> str:
+    """The user turn that carries a code run's observation back to the agent."""
+    return f"<tool_response>\n{format_observation(result, max_chars=max_chars)}\n</tool_response>"
+
+
+class MathChat:
+    """The MathChat workflow; `MathChat(cfg.workflow).run(policy, tasks, sandbox=..., gen=...)`."""
+
+    name = "mathchat"
+
+    def __init__(self, cfg: WorkflowConfig | None = None) -> None:
+        cfg = cfg or WorkflowConfig()
+        self.coder = dataclasses.replace(CODER, max_turns=cfg.coder_max_turns)
+        self.specs = (SOLVER, self.coder, VERIFIER)
+        self.agents = tuple(s.name for s in self.specs)
+
+    def role(self, spec: AgentSpec, gen: GenerationConfig) -> str:
+        return spec.role.format(budget=gen.max_new_tokens, turns=spec.max_turns)
+
+    # ---------------------------------------------------------------------------------------------- prompts
+    def solver_messages(self, task: Task, gen: GenerationConfig) -> list[Message]:
+        return [
+            Message(role="system", content=self.role(SOLVER, gen)),
+            Message(role="user", content=f"Problem:\n{task.problem}\n\n{SOLVER_ASK}"),
+        ]
+
+    def coder_messages(
+        self,
+        task: Task,
+        solver: Action,
+        history: Sequence[tuple[Action, str]],
+        gen: GenerationConfig,
+        feedback: str,
+        budget: int | None,
+    ) -> list[Message]:
+        """The Code Executor's chat: the problem + the Solver's output, then its own earlier turns."""
+        first = f"Problem:\n{task.problem}\n\nThe Problem Solver's answer:\n{clip_middle(solver.text, budget)}"
+        messages = [
+            Message(role="system", content=self.role(self.coder, gen)),
+            Message(role="user", content=f"{first}{feedback}\n\n{CODER_ASK}"),
+        ]
+        for action, observation in history:
+            messages.append(Message(role="assistant", content=clip_middle(action.text, budget)))
+            messages.append(Message(role="user", content=clip_middle(observation, budget)))
+        return messages
+
+    def verifier_messages(
+        self,
+        task: Task,
+        coder_final: Action,
+        last_output: str | None,
+        gen: GenerationConfig,
+        feedback: str,
+        budget: int | None,
+    ) -> list[Message]:
+        """The Verifier's chat: the problem + only the Code Executor's final action and the last tool output."""
+        output = last_output if last_output is not None else "(no code was run)"
+        content = (
+            f"Problem:\n{task.problem}\n\nThe Code Executor's final message:\n{clip_middle(coder_final.text, budget)}"
+            f"\n\nLast tool output:\n{clip_middle(output, budget)}"
+        )
+        return [
+            Message(role="system", content=self.role(VERIFIER, gen)),
+            Message(role="user", content=f"{content}{feedback}\n\n{VERIFIER_ASK}"),
+        ]
+
+    # ------------------------------------------------------------------------------------------------- coach
+    def context(self, spec: AgentSpec, task: Task, action: Action, gen: GenerationConfig) -> CoachContext:
+        is_final = spec.name == VERIFIER.name
+        observation = format_observation(action.exec_result) if action.exec_result is not None else NO_TOOL
+        return CoachContext(
+            task=task.problem,
+            workflow=self.name,
+            agent=spec.name,
+            role=self.role(spec, gen),
+            is_final=is_final,
+            messages=action.messages,
+            output=action.text,
+            observation=observation,
+            ground_truth=task.answer if is_final else None,  # the coach judges earlier agents on evidence only
+        )
+
+    # --------------------------------------------------------------------------------------------------- run
+    def run(
+        self,
+        policy: Any,
+        tasks: Sequence[Task],
+        *,
+        sandbox: Any,
+        gen: GenerationConfig,
+        scorer: Scorer | None = None,
+        show_coach_feedback: bool = False,
+        progress: bool | Progress = True,
+    ) -> list[Episode]:
+        """Play one episode per task, all in lockstep; returns episodes in task order."""
+        if show_coach_feedback and scorer is None:
+            raise ValueError("show_coach_feedback needs a scorer: there is no coach feedback to show")
+        tag = uuid.uuid4().hex[:8]
+        keep = sandbox.cfg.keep_workspaces
+        states = [EpisodeState(f"{t.id}#{tag}-{i}", t, new_workspace(keep=keep)) for i, t in enumerate(tasks)]
+        bar = StageProgress(progress, self.name, len(states) * (2 + self.coder.max_turns))
+        try:
+            self._play(policy, states, sandbox, gen, scorer, show_coach_feedback, bar)
+        finally:
+            bar.close()
+            for s in states:
+                remove_workspace(s.workspace)
+        return [self._episode(s, keep) for s in states]
+
+    def _play(
+        self,
+        policy: Any,
+        states: list[EpisodeState],
+        sandbox: Any,
+        gen: GenerationConfig,
+        scorer: Scorer | None,
+        show_feedback: bool,
+        bar: StageProgress,
+    ) -> None:
+        def note(spec: AgentSpec, action: Action) -> str:
+            if not show_feedback or action.coach is None:
+                return ""
+            from mappa.coach import feedback_note
+
+            return "\n\n" + feedback_note(spec.title, action.coach)
+
+        def stage(spec: AgentSpec, turns: list[Turn], turn_index: int) -> list[tuple[Turn, Action]]:
+            bar.stage(f"{spec.name} turn {turn_index + 1} ({len(turns)} episodes)")
+            done = run_stage(
+                policy, spec, turns, turn_index=turn_index, sandbox=sandbox, gen=gen, extract_code=extract_code_blocks
+            )
+            contexts = [self.context(spec, t.state.task, a, gen) for t, a in done]
+            done = score_stage(done, contexts, scorer)
+            for turn, action in done:
+                turn.state.actions.append(action)
+            bar.advance(len(turns))
+            return done
+
+        # Stage 1: the Problem Solver, one turn.
+        turns = [Turn(s, lambda budget, s=s: self.solver_messages(s.task, gen)) for s in states]
+        solved = {id(t.state): a for t, a in stage(SOLVER, turns, 0)}
+        bar.drop((len(states) - len(solved)) * (1 + self.coder.max_turns))
+
+        # Stage 2: the Code Executor, up to coder.max_turns turns; an action without code ends its turns.
+        history: dict[int, list[tuple[Action, str]]] = {id(s): [] for s in states}
+        last_output: dict[int, str | None] = {id(s): None for s in states}
+        coder_final: dict[int, Action] = {}
+        waiting = [s for s in states if id(s) in solved]
+        for k in range(self.coder.max_turns):
+            turns = [
+                Turn(
+                    s,
+                    lambda budget, s=s: self.coder_messages(
+                        s.task, solved[id(s)], history[id(s)], gen, note(SOLVER, solved[id(s)]), budget
+                    ),
+                )
+                for s in waiting
+            ]
+            done = stage(self.coder, turns, k)
+            waiting = []
+            for turn, action in done:
+                key = id(turn.state)
+                coder_final[key] = action
+                if action.exec_result is None:
+                    continue
+                observation = tool_response(action.exec_result, sandbox.cfg.observation_chars)
+                last_output[key] = observation
+                history[key].append((action, observation))
+                if k + 1 < self.coder.max_turns:
+                    waiting.append(turn.state)
+            bar.drop((len(turns) - len(waiting)) * (self.coder.max_turns - k - 1) + len(turns) - len(done))
+
+        # Stage 3: the Verifier, one turn, on the Code Executor's final action and the last tool output.
+        finals = [s for s in states if id(s) in coder_final]
+        turns = [
+            Turn(
+                s,
+                lambda budget, s=s: self.verifier_messages(
+                    s.task, coder_final[id(s)], last_output[id(s)], gen, note(self.coder, coder_final[id(s)]), budget
+                ),
+            )
+            for s in finals
+        ]
+        stage(VERIFIER, turns, 0)
+
+    def _episode(self, s: EpisodeState, kept: bool) -> Episode:
+        verifier = next((a for a in s.actions if a.agent == VERIFIER.name), None)
+        results = [a.exec_result for a in s.actions if a.exec_result is not None]
+        meta: dict[str, Any] = {
+            "sandbox_s": round(s.sandbox_s, 4),
+            "tool_calls": len(results),
+            "code_errors": sum(not r.ok for r in results),
+            "clipped_prompts": s.clipped_prompts,
+        }
+        if s.error is not None:
+            meta["error"] = s.error
+        if kept:
+            meta["workspace"] = str(s.workspace)
+        return Episode(
+            id=s.id,
+            workflow=self.name,
+            task=s.task,
+            actions=tuple(s.actions),
+            final_answer=extract_answer(verifier.text) if verifier is not None else None,
+            correct=check_answer(verifier.text, s.task.answer) if verifier is not None else False,
+            meta=meta,
+        )

@@ -1,0 +1,298 @@
+"""MathChat with a scripted policy (fixed replies, a real tokenizer) and the real sandbox."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+from mappa.config import GenerationConfig, SandboxConfig, WorkflowConfig
+from mappa.errors import MappaError
+from mappa.models import tiny_tokenizer
+from mappa.policy import Generation
+from mappa.sandbox import Sandbox
+from mappa.types import CoachContext, CoachScore, Episode, Message, Task
+from mappa.workflows import WORKFLOWS, MathChat, build_workflow
+
+Reply = Callable[[str, Sequence[Message]], str]
+
+
+class ScriptedPolicy:
+    """Same `chat_ids`/`generate` surface as mappa.policy.Policy; replies come from a script, not a model."""
+
+    def __init__(self, reply: Reply) -> None:
+        self.tokenizer = tiny_tokenizer()
+        self.reply = reply
+        self.calls: list[tuple[str | None, int]] = []  # (agent, conversations) per generate call
+
+    def chat_ids(self, messages: Sequence[Message]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False
+        )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def generate(
+        self,
+        agent: str | None,
+        conversations: Sequence[Sequence[Message]],
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 256,
+        max_context_tokens: int | None = None,
+        top_logprobs: int = 0,
+        seed: int | None = None,
+        batch_size: int | None = None,
+    ) -> list[Generation]:
+        self.calls.append((agent, len(conversations)))
+        out = []
+        for conv in conversations:
+            prompt = self.chat_ids(conv)
+            assert max_context_tokens is None or len(prompt) <= max_context_tokens  # the engine must fit prompts
+            ids = self.tokenizer(self.reply(agent, conv), add_special_tokens=False)["input_ids"]
+            truncated = len(ids) > max_new_tokens
+            ids = ids[:max_new_tokens] if truncated else [*ids, self.tokenizer.eos_token_id]
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            out.append(Generation(tuple(prompt), tuple(ids), tuple(-0.5 for _ in ids), text, truncated))
+        return out
+
+
+class RecordingSandbox(Sandbox):
+    """The real sandbox, counting how many batches of snippets it was handed."""
+
+    def __init__(self, cfg: SandboxConfig) -> None:
+        super().__init__(cfg)
+        self.batches: list[int] = []
+
+    def run_many(self, items):  # type: ignore[no-untyped-def]
+        self.batches.append(len(items))
+        return super().run_many(items)
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    box = RecordingSandbox(SandboxConfig(timeout_s=10, concurrency=2, pool=False))
+    yield box
+    box.close()
+
+
+GEN = GenerationConfig(max_new_tokens=200, max_context_tokens=1024, batch_size=8)
+
+
+def task(answer: str = "42", problem: str = "What is 6 * 7?", tid: str = "t") -> Task:
+    return Task(id=tid, problem=problem, answer=answer, source="test")
+
+
+def py(code: str) -> str:
+    return f"Let me compute.\n```python\n{code}\n```"
+
+
+def script(
+    solver: str = "I think it is 42.", coder: Sequence[str] = ("Done.",), verifier: str = "\\boxed{42}"
+) -> Reply:
+    """Fixed replies per agent; the Code Executor's reply depends on its turn (its count of user turns)."""
+
+    def reply(agent: str | None, conv: Sequence[Message]) -> str:
+        if agent == "problem_solver":
+            return solver
+        if agent == "code_executor":
+            turn = sum(m.role == "user" for m in conv) - 1
+            return coder[min(turn, len(coder) - 1)]
+        return verifier
+
+    return reply
+
+
+def run(policy, tasks, sandbox, **kw) -> list[Episode]:  # type: ignore[no-untyped-def]
+    wf = MathChat(WorkflowConfig(coder_max_turns=kw.pop("coder_max_turns", 2)))
+    return wf.run(policy, tasks, sandbox=sandbox, gen=kw.pop("gen", GEN), progress=False, **kw)
+
+
+def by_agent(ep: Episode, agent: str) -> list:
+    return [a for a in ep.actions if a.agent == agent]
+
+
+# -------------------------------------------------------------------------------------------------- the flow
+def test_code_is_executed_and_fed_back(sandbox: RecordingSandbox) -> None:
+    policy = ScriptedPolicy(script(coder=[py("print(6 * 7)"), "The code printed 42."]))
+    (ep,) = run(policy, [task()], sandbox)
+    c0, c1 = by_agent(ep, "code_executor")
+    assert c0.exec_result is not None and c0.exec_result.ok and c0.exec_result.stdout.strip() == "42"
+    # the second turn saw its full context: the first turn's prompt, its own reply, then the observation
+    assert c1.messages[: len(c0.messages)] == c0.messages
+    assert c1.messages[len(c0.messages)] == Message(role="assistant", content=c0.text)
+    last = c1.messages[-1]
+    assert last.role == "user" and last.content.startswith("<tool_response>") and "42" in last.content
+    assert c1.exec_result is None and c1.turn == 1
+    (v,) = by_agent(ep, "verifier")
+    assert "The code printed 42." in v.messages[-1].content and "<tool_response>" in v.messages[-1].content
+    assert ep.final_answer == "42" and ep.correct is True
+    assert ep.meta["tool_calls"] == 1 and ep.meta["code_errors"] == 0 and ep.meta["sandbox_s"] > 0
+    # token-level records line up
+    for a in ep.actions:
+        assert len(a.response_ids) == len(a.logprobs) > 0 and a.prompt_ids
+
+
+def test_early_stop_without_code(sandbox: RecordingSandbox) -> None:
+    policy = ScriptedPolicy(script(coder=["No code needed: 6 * 7 = 42."], verifier="\\boxed{41}"))
+    (ep,) = run(policy, [task()], sandbox)
+    assert [a.agent for a in ep.actions] == ["problem_solver", "code_executor", "verifier"]
+    assert ep.actions[1].exec_result is None
+    assert "(no code was run)" in ep.actions[2].messages[-1].content
+    assert ep.correct is False and ep.final_answer == "41" and ep.meta["tool_calls"] == 0
+
+
+def test_verifier_never_sees_the_solver_text(sandbox: RecordingSandbox) -> None:
+    policy = ScriptedPolicy(script(solver="SOLVER-ONLY-7731 says 42", coder=[py("print(42)"), "Printed 42."]))
+    (ep,) = run(policy, [task()], sandbox)
+    coder_first = by_agent(ep, "code_executor")[0]
+    assert "SOLVER-ONLY-7731" in coder_first.messages[1].content  # the Code Executor sees it
+    (v,) = by_agent(ep, "verifier")
+    assert not any("SOLVER-ONLY-7731" in m.content for m in v.messages)
+    assert [m.role for m in v.messages] == ["system", "user"]
+
+
+def test_truncated_actions_are_flagged(sandbox: RecordingSandbox) -> None:
+    gen = GEN.model_copy(update={"max_new_tokens": 12})
+    policy = ScriptedPolicy(script(solver="word " * 200, coder=["ok"], verifier="\\boxed{42}"))
+    (ep,) = run(policy, [task()], sandbox, gen=gen)
+    solver, coder, verifier = ep.actions
+    assert solver.truncated and len(solver.response_ids) == 12
+    assert not coder.truncated and not verifier.truncated
+    assert "12 tokens" in solver.messages[0].content  # the role states the token budget
+
+
+def test_exceptions_in_agent_code_become_observations(sandbox: RecordingSandbox) -> None:
+    policy = ScriptedPolicy(script(coder=[py("x = 1\nraise ValueError('boom-314')"), "It failed."]))
+    (ep,) = run(policy, [task()], sandbox)
+    c0, c1 = by_agent(ep, "code_executor")
+    assert c0.exec_result is not None and not c0.exec_result.ok
+    assert "ValueError" in c0.exec_result.stderr and "boom-314" in c0.exec_result.stderr
+    assert "boom-314" in c1.messages[-1].content  # fed back to the agent, the episode went on
+    assert ep.meta["code_errors"] == 1 and len(by_agent(ep, "verifier")) == 1
+
+
+def test_every_python_block_runs_as_one_snippet(sandbox: RecordingSandbox) -> None:
+    two_blocks = "First:\n```python\na = 20\n```\nthen:\n```python\nprint(a + 22)\n```\n```text\nnot code\n```"
+    policy = ScriptedPolicy(script(coder=[two_blocks, "done"]))
+    (ep,) = run(policy, [task()], sandbox)
+    result = by_agent(ep, "code_executor")[0].exec_result
+    assert result is not None and result.ok and result.stdout.strip() == "42"
+
+
+def test_turn_cap_stops_the_code_executor_and_the_last_output_reaches_the_verifier(
+    sandbox: RecordingSandbox,
+) -> None:
+    policy = ScriptedPolicy(script(coder=[py("print('first')"), py("print('second-run')")]))
+    (ep,) = run(policy, [task()], sandbox, coder_max_turns=2)
+    coders = by_agent(ep, "code_executor")
+    assert len(coders) == 2 and all(a.exec_result is not None for a in coders)  # the capped turn's code ran
+    verifier_input = by_agent(ep, "verifier")[0].messages[-1].content
+    assert "second-run" in verifier_input and "first\n" not in verifier_input
+
+
+def test_lockstep_one_generate_call_per_stage_and_one_sandbox_batch(sandbox: RecordingSandbox) -> None:
+    # episode "a" stops after one coder turn, "b" and "c" use both: 4 stages, 4 generate calls
+    def reply(agent: str | None, conv: Sequence[Message]) -> str:
+        turn = sum(m.role == "user" for m in conv) - 1
+        if agent == "code_executor":
+            if "problem a" in conv[1].content or turn == 1:
+                return "no code"
+            return py("print(1)")
+        return "\\boxed{1}"
+
+    policy = ScriptedPolicy(reply)
+    sandbox.batches.clear()
+    tasks = [task("1", f"problem {x}", x) for x in "abc"]
+    eps = run(policy, tasks, sandbox)
+    assert policy.calls == [("problem_solver", 3), ("code_executor", 3), ("code_executor", 2), ("verifier", 3)]
+    assert sandbox.batches == [2]  # b's and c's code ran together
+    assert [e.task.id for e in eps] == ["a", "b", "c"]  # task order kept
+    assert len({e.id for e in eps}) == 3 and all(e.correct for e in eps)
+
+
+# ------------------------------------------------------------------------------------------------- the coach
+class ScriptedScorer:
+    def __init__(self) -> None:
+        self.calls: list[list[CoachContext]] = []
+
+    def __call__(self, contexts: Sequence[CoachContext]) -> list[CoachScore]:
+        self.calls.append(list(contexts))
+        return [CoachScore(score=len(self.calls), rationale=f"note-{c.agent}-{len(self.calls)}") for c in contexts]
+
+
+def test_scorer_called_once_per_stage_with_ground_truth_only_for_the_verifier(sandbox: RecordingSandbox) -> None:
+    policy = ScriptedPolicy(script(coder=[py("print(42)"), "42"]))
+    scorer = ScriptedScorer()
+    eps = run(policy, [task(), task(tid="u")], sandbox, scorer=scorer)
+    assert [[c.agent for c in call] for call in scorer.calls] == [
+        ["problem_solver"] * 2,
+        ["code_executor"] * 2,
+        ["code_executor"] * 2,
+        ["verifier"] * 2,
+    ]
+    for call in scorer.calls:
+        for c in call:
+            assert (c.ground_truth == "42") is c.is_final is (c.agent == "verifier")
+            assert c.workflow == "mathchat" and c.task == "What is 6 * 7?" and c.role
+    coder_ctx = scorer.calls[1][0]
+    assert "42" in coder_ctx.observation and coder_ctx.messages == by_agent(eps[0], "code_executor")[0].messages
+    assert scorer.calls[2][0].observation == "no tool used"
+    assert [a.coach.score for a in eps[0].actions] == [1, 2, 3, 4]
+    # off by default: no agent sees coach notes
+    assert not any("note-" in m.content for a in eps[0].actions for m in a.messages)
+
+
+def test_show_coach_feedback_puts_earlier_notes_in_later_prompts(sandbox: RecordingSandbox) -> None:
+    policy = ScriptedPolicy(script(coder=[py("print(42)"), "42"]))
+    (ep,) = run(policy, [task()], sandbox, scorer=ScriptedScorer(), show_coach_feedback=True)
+    c0, c1 = by_agent(ep, "code_executor")
+    assert "note-problem_solver-1" in c0.messages[1].content and "(1/10)" in c0.messages[1].content
+    (v,) = by_agent(ep, "verifier")
+    assert "note-code_executor-3" in v.messages[-1].content  # the note on the action it is shown
+    assert "note-problem_solver" not in v.messages[-1].content  # nothing about the Solver it never sees
+    with pytest.raises(ValueError, match="needs a scorer"):
+        run(policy, [task()], sandbox, show_coach_feedback=True)
+
+
+# ---------------------------------------------------------------------------------------------- context cap
+def test_long_embedded_text_is_clipped_to_fit_the_context(sandbox: RecordingSandbox) -> None:
+    gen = GEN.model_copy(update={"max_context_tokens": 600, "max_new_tokens": 4000})
+    long_solver = "The answer is 42. " + "blah " * 500 + "FINAL-LINE"
+    policy = ScriptedPolicy(script(solver=long_solver, coder=[py("print('x' * 3000)"), "done"]))
+    (ep,) = run(policy, [task()], sandbox, gen=gen)
+    assert "error" not in ep.meta and ep.meta["clipped_prompts"] >= 2
+    c0, c1 = by_agent(ep, "code_executor")
+    assert len(c0.prompt_ids) <= 600 and len(c1.prompt_ids) <= 600
+    assert "characters cut to fit the context" in c0.messages[1].content
+    assert "FINAL-LINE" in c0.messages[1].content  # head and tail kept
+    assert ep.correct
+
+
+def test_a_prompt_that_cannot_fit_ends_only_its_own_episode(sandbox: RecordingSandbox) -> None:
+    gen = GEN.model_copy(update={"max_context_tokens": 500})
+    policy = ScriptedPolicy(script(coder=["no code"]))
+    huge = task(problem="Compute this. " + "digits 123 " * 400, tid="huge")
+    eps = run(policy, [huge, task(tid="ok")], sandbox, gen=gen)
+    assert eps[0].actions == () and "max_context_tokens=500" in eps[0].meta["error"] and eps[0].correct is False
+    assert eps[1].correct and "error" not in eps[1].meta
+
+
+def test_unknown_workflow_is_a_user_error() -> None:
+    with pytest.raises(MappaError, match="unknown workflow 'mathchatt'"):
+        build_workflow(WorkflowConfig(name="mathchatt"))
+    wf = build_workflow(WorkflowConfig(coder_max_turns=3))
+    assert isinstance(wf, MathChat) and set(WORKFLOWS) == {"mathchat"}
+    assert wf.agents == ("problem_solver", "code_executor", "verifier") and wf.specs[1].max_turns == 3
+
+
+def test_episodes_round_trip_through_jsonl(sandbox: RecordingSandbox, tmp_path: Path) -> None:
+    from mappa.types import read_jsonl, write_jsonl
+
+    policy = ScriptedPolicy(script(coder=[py("print(42)"), "42"]))
+    eps = run(policy, [task()], sandbox, scorer=ScriptedScorer())
+    write_jsonl(tmp_path / "e.jsonl", eps)
+    assert read_jsonl(tmp_path / "e.jsonl", Episode) == eps
+    assert re.search(r"#\w+-0$", eps[0].id)
