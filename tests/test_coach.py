@@ -207,6 +207,29 @@ def test_rubric_final_agent_checks_the_answer() -> None:
     assert right.score == 10 and right.answer_correct is True
     assert wrong.score < 5 and wrong.answer_correct is False
     assert none.score == 0 and none.answer_correct is False
+    # an explicit unboxed statement counts exactly as the rule-based evaluation counts it
+    stated = rubric_score(ctx(output="The tool printed 5. The answer is 5.", **final))
+    assert stated.score == 10 and stated.answer_correct is True
+
+
+def test_rubric_judges_code_only_for_agents_with_the_tool() -> None:
+    # The Solver's role mentions the Code Executor and Python, but it has no tool: it must not be
+    # judged on missing code blocks.
+    role = "You are the Problem Solver. The Code Executor will check your work by running Python."
+    solver = rubric_score(
+        ctx(
+            agent="problem_solver",
+            role=role,
+            output="2 + 3 = 5, so the answer is 5.",
+            observation="no tool used",
+            extra={"tools": []},
+        )
+    )
+    coder = rubric_score(
+        ctx(output="2 + 3 = 5, so the answer is 5.", observation="no tool used", extra={"tools": ["python"]})
+    )
+    assert "no runnable" not in solver.rationale and solver.score >= 5
+    assert "no runnable" in coder.rationale and coder.score <= 2
 
 
 def test_rubric_required_files() -> None:

@@ -37,18 +37,23 @@ def _has_code(text: str) -> bool:
 
 
 def _wants_code(ctx: CoachContext) -> bool:
+    # The workflow declares each agent's tools; reading the role text instead would judge an agent that
+    # merely mentions a teammate's code as a code agent. Contexts without the declaration fall back to it.
+    if "tools" in ctx.extra:
+        return "python" in ctx.extra["tools"] or bool(ctx.extra.get("required_files"))
     role = ctx.role.lower()
     return "code" in role or "python" in role or bool(ctx.extra.get("required_files"))
 
 
 def _final(ctx: CoachContext) -> tuple[float, str, bool | None]:
-    from mappa.tasks import check_answer
+    # The same extraction as the rule-based evaluation, so the coach and the accuracy never disagree.
+    from mappa.tasks import check_answer, extract_answer
 
-    if not _BOXED_RE.search(ctx.output):
-        return 0.0, "final agent gave no \\boxed{} answer", False
+    if extract_answer(ctx.output) is None:
+        return 0.0, "final agent gave no final answer (\\boxed{} or 'the answer is N')", False
     if check_answer(ctx.output, ctx.ground_truth or ""):
         return 10.0, "final answer matches the reference", True
-    return 2.0, "final answer in \\boxed{} but it does not match the reference", False
+    return 2.0, "final answer given but it does not match the reference", False
 
 
 def _code_agent(ctx: CoachContext) -> tuple[float, list[str]]:

@@ -174,6 +174,7 @@ class MathChat:
             output=action.text,
             observation=observation,
             ground_truth=task.answer if is_final else None,  # the coach judges earlier agents on evidence only
+            extra={"tools": list(spec.tools)},  # what the agent could use: judged on code only if it had a tool
         )
 
     # --------------------------------------------------------------------------------------------------- run
