@@ -459,3 +459,15 @@ def test_cli_prints_the_result_as_json(tmp_path):
     assert (work / "made.txt").exists()
     done = subprocess.run([*mappa, "sandbox", "run", str(tmp_path / "nope.py")], capture_output=True, text=True)
     assert done.returncode == 2 and "nope.py" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_interpreter_under_tmp_is_bound_back(monkeypatch, tmp_path: Path) -> None:
+    # A checkout or virtualenv under /tmp (CI clones, throwaway venvs) must stay reachable inside the
+    # sandbox's empty /tmp, or Python cannot start there at all.
+    venv = tmp_path / "venv" / "lib"
+    venv.mkdir(parents=True)
+    monkeypatch.setattr(confine, "_python_paths", lambda: [str(venv), "/usr/lib"])
+    cmd = confine.Confinement("bwrap", drop_uid=False).command([tmp_path / "ws"], tmp_path, ["python"])
+    binds = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--ro-bind"]
+    assert str(venv) in binds
+    assert "/usr/lib" not in binds  # already visible through the read-only root

@@ -114,8 +114,10 @@ class Confinement:
 
         for h in hidden:
             cmd += ["--tmpfs", h]
+        # The interpreter, a virtualenv or the package itself may live under /tmp or a hidden home (a clone in
+        # /tmp, pyenv under /root): bind those back read-only, or the sandbox could not even start Python.
         for p in _python_paths():
-            if any(p == h or p.startswith(h.rstrip("/") + "/") for h in hidden):
+            if any(p == h or p.startswith(h.rstrip("/") + "/") for h in tmpfs):
                 cmd += [*parents(p), "--ro-bind", p, p]
         for w in writable:
             cmd += [*parents(str(w)), "--bind", str(w), str(w)]
