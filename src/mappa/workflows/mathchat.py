@@ -92,6 +92,9 @@ VERIFIER = AgentSpec(
 SOLVER_ASK = "Solve it step by step and end with the answer."
 CODER_ASK = "Write a ```python block that computes the answer and prints it."
 VERIFIER_ASK = "Check the work, then give the final answer in the form \\boxed{...}."
+# Generated arithmetic has integer answers and is what small models train on: a one-line answer is the format
+# a 135M model follows (measured: about 7x more replies with an extractable answer than with the boxed ask).
+VERIFIER_ASK_SHORT = "Reply with one line only: The answer is <number>."
 
 
 def tool_response(result: ExecResult, max_chars: int = 2000) -> str:
@@ -140,6 +143,10 @@ class MathChat:
             messages.append(Message(role="user", content=clip_middle(observation, budget)))
         return messages
 
+    @staticmethod
+    def verifier_ask(task: Task) -> str:
+        return VERIFIER_ASK_SHORT if task.source == "arithmetic" else VERIFIER_ASK
+
     def verifier_messages(
         self,
         task: Task,
@@ -157,7 +164,7 @@ class MathChat:
         )
         return [
             Message(role="system", content=self.role(VERIFIER, gen)),
-            Message(role="user", content=f"{content}{feedback}\n\n{VERIFIER_ASK}"),
+            Message(role="user", content=f"{content}{feedback}\n\n{self.verifier_ask(task)}"),
         ]
 
     # ------------------------------------------------------------------------------------------------- coach
