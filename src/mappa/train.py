@@ -35,6 +35,7 @@ import random
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from datetime import datetime
 from importlib import metadata
@@ -355,7 +356,11 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, console: Console 
                         stats = update_group(policy, optimizers[g], actions, scores, cfg)
                     update_tokens += stats["tokens"]
                     metrics.update({f"agent/{g}/{k}": v for k, v in stats.items()})
-                schedulers[g].step()
+                # The schedule follows the global step, also when this group had nothing to train on; torch
+                # warns about a scheduler step before any optimizer step, which is exactly what is meant here.
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)`")
+                    schedulers[g].step()
             step += 1
             cursor += t.prompts_per_step
             t_total = time.perf_counter() - t0
