@@ -6,20 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from mappa.config import load_config
 from mappa.errors import MappaError
 from mappa.evaluate import eval_command, summarize
 from mappa.types import Action, Episode, ExecResult, Task
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def act(agent: str, n_tokens: int, ran: bool = False, truncated: bool = False) -> Action:

@@ -22,15 +22,7 @@ from mappa.models import (
     tiny_model_and_tokenizer,
 )
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny-model ops gain nothing from threads, and on a shared, oversubscribed CPU intra-op threads
-    spin-wait and slow every test severalfold; restore the caller's setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

@@ -15,14 +15,7 @@ from mappa.types import Message
 AGENTS = ("solver", "coder", "verifier")
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny-model ops gain nothing from threads, and on a shared, oversubscribed CPU intra-op threads
-    spin-wait and slow every test severalfold; restore the caller's setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_policy(agent_weights: str = "lora", seed: int = 0, eos_scale: float = 1.0, **kw) -> Policy:

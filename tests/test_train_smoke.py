@@ -17,13 +17,7 @@ from mappa.types import Action, CoachScore, Episode, ExecResult, Message, Task
 AGENTS = ("solver", "coder", "verifier")
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models run fastest on one thread, and far faster than on two when other processes share the cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_policy(agent_weights: str = "lora"):
