@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -116,35 +117,10 @@ class Policy:
     # Construction
 
     @classmethod
-    def from_model(
-        cls,
-        model: torch.nn.Module,
-        tokenizer: object,
-        agents: Sequence[str],
-        agent_weights: str = "lora",
-        lora_r: int = 8,
-        lora_alpha: int = 16,
-        lora_dropout: float = 0.0,
-        target_modules: Sequence[str] = DEFAULT_TARGET_MODULES,
-        base_name: str | None = None,
-        generation_batch_size: int = 16,
-        seed: int = 0,
-    ) -> Policy:
-        """Wrap an in-memory model (tests, notebooks). `base_name`: how to reload the base later; None
-        makes `save` store the base weights inside the checkpoint."""
-        return cls(
-            model,
-            tokenizer,
-            agents,
-            agent_weights=agent_weights,
-            lora_r=lora_r,
-            lora_alpha=lora_alpha,
-            lora_dropout=lora_dropout,
-            target_modules=target_modules,
-            base_name=base_name,
-            generation_batch_size=generation_batch_size,
-            seed=seed,
-        )
+    def from_model(cls, model: torch.nn.Module, tokenizer: object, agents: Sequence[str], **options: Any) -> Policy:
+        """Wrap an in-memory model (tests, notebooks); `options` as for the constructor. `base_name`: how to
+        reload the base later; None makes `save` store the base weights inside the checkpoint."""
+        return cls(model, tokenizer, agents, **options)
 
     @classmethod
     def from_config(cls, cfg: object, agents: Sequence[str], seed: int = 0, generation_batch_size: int = 16) -> Policy:
