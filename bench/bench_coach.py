@@ -1,6 +1,6 @@
 """Coach throughput through `mappa serve`: concurrency 8 vs 1 (server-side batching) and a cached re-run.
 
-    .venv/bin/python bench/bench_coach.py [--model tiny-random] [--actions 64] [--max-tokens 16]
+    .venv/bin/python bench/bench_coach.py [--model tiny-random] [--actions 64] [--max-tokens 64]
 
 Starts `mappa serve` as a subprocess on loopback, builds coach contexts for recorded MathChat
 actions, and scores them with the `openai` coach three times in one run:
@@ -9,7 +9,14 @@ actions, and scores them with the `openai` coach three times in one run:
   3. concurrency 8, same cache    (every judgment a cache hit: zero requests)
 Prints judgments/s for each and the ratios 2/1 (target >= 2.5x) and 3/2 (target >= 50x).
 The tiny random model writes no score lines, so every judgment also takes the follow-up: both
-runs do the same work (2 requests per action), which is what the ratio compares.
+runs do the same work (2 requests per action), which is what the ratio compares. Replies are capped
+at 64 tokens, about what the template asks for ("a few sentences" of analysis and the score line);
+the random model never stops early, so every reply is exactly that long. /stats of the server
+gives decode steps, mean batch, prefill calls and the time spent in each.
+Client and server share the machine: on <= 2 cores the server runs one torch thread so the
+coach client keeps a core (`--server-threads` to change it; both phases use the same server).
+With two threads on two cores, every op of the tiny model waits on a thread the client has
+pre-empted, which slows the busy concurrency-8 phase far more than the serial one.
 """
 
 from __future__ import annotations
@@ -74,12 +81,13 @@ def recorded_contexts(n: int) -> list[CoachContext]:
     return out[:n]
 
 
-def start_server(model: str) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, threads: int | None) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "mappa.cli", "serve", "--model", model, "--port", str(port), "--max-batch", "8"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mappa.cli", "serve", "--model", model, "--port", str(port), "--max-batch", "8"],
+        cmd + (["--threads", str(threads)] if threads else []),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -111,11 +119,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny-random", help="served model (tiny-random or smollm2-135m-instruct)")
     ap.add_argument("--actions", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument(
+        "--server-threads",
+        type=int,
+        default=1 if (os.cpu_count() or 1) <= 2 else None,
+        help="torch threads of the server (default: 1 on a machine with <= 2 cores, else torch's default)",
+    )
     args = ap.parse_args()
 
     contexts = recorded_contexts(args.actions)
-    proc, base = start_server(args.model)
+    proc, base = start_server(args.model, args.server_threads)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             common = dict(
@@ -141,14 +155,25 @@ def main() -> None:
         proc.wait(30)
 
     n = len(contexts)
-    batches1 = stats1["batches"] - stats0["batches"]
-    batches8 = stats8["batches"] - stats1["batches"]
-    print(f"model {args.model}, {n} actions, max_tokens {args.max_tokens}, cpu threads {os.cpu_count()}")
+
+    def batching(before: dict, after: dict) -> str:
+        steps = after["steps"] - before["steps"]
+        rows = after["mean_batch"] * after["steps"] - before["mean_batch"] * before["steps"]
+        prefill_s, decode_s = (after[k] - before[k] for k in ("prefill_s", "decode_s"))
+        return (
+            f"decode steps {steps}, mean batch {rows / max(steps, 1):.2f}, "
+            f"prefills {after['prefills'] - before['prefills']} ({prefill_s:.1f} s), decoding {decode_s:.1f} s"
+        )
+
+    threads = args.server_threads or "torch default"
     print(
-        f"concurrency 1 : {t1:8.2f} s  {n / t1:8.2f} judgments/s  requests {s1['calls']:g}, generate calls {batches1}"
+        f"model {args.model}, {n} actions, max_tokens {args.max_tokens}, {os.cpu_count()} cores, server threads {threads}"
     )
     print(
-        f"concurrency 8 : {t8:8.2f} s  {n / t8:8.2f} judgments/s  requests {s8['calls']:g}, generate calls {batches8}"
+        f"concurrency 1 : {t1:8.2f} s  {n / t1:8.2f} judgments/s  requests {s1['calls']:g}, {batching(stats0, stats1)}"
+    )
+    print(
+        f"concurrency 8 : {t8:8.2f} s  {n / t8:8.2f} judgments/s  requests {s8['calls']:g}, {batching(stats1, stats8)}"
     )
     print(f"cached re-run : {tc:8.3f} s  {n / tc:8.1f} judgments/s  requests {sc['calls']:g}, cache hits {sc['cache_hits']:g}, "
           f"server requests during it {stats_c['requests'] - stats8['requests']}")  # fmt: skip

@@ -183,3 +183,19 @@ def test_serving_a_checkpoint_exposes_its_agents(policy: Policy, tmp_path) -> No
         app_server.stop()
     direct = policy.generate("checker", [[Message(**m) for m in HELLO]], temperature=0, max_new_tokens=8)[0].text
     assert r.choices[0].message.content == direct  # the trained adapter, reloaded from disk
+
+
+def test_responses_are_not_held_back_by_nagle() -> None:
+    # Without TCP_NODELAY the response body (a second write after the headers) waits ~40 ms for the
+    # client's delayed ACK: every request paid it. Accepted connections inherit the listening socket's option.
+    from mappa.serve import _bind
+
+    sock = _bind("127.0.0.1", 0)
+    try:
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        client = socket.create_connection(sock.getsockname())
+        conn, _ = sock.accept()
+        with client, conn:
+            assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+    finally:
+        sock.close()

@@ -65,7 +65,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from mappa.serve import serve_command
 
     return serve_command(
-        model=args.model, adapters=args.adapters, host=args.host, port=args.port, max_batch=args.max_batch
+        model=args.model,
+        adapters=args.adapters,
+        host=args.host,
+        port=args.port,
+        max_batch=args.max_batch,
+        prefix_cache_mib=args.prefix_cache_mib,
+        threads=args.threads,
     )
 
 
@@ -120,7 +126,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapters", default=None, metavar="DIR", help="checkpoint dir with one adapter per agent")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch", type=int, default=16, help="most requests batched into one generate call")
+    p.add_argument("--max-batch", type=int, default=16, help="most requests decoding in one batch at once")
+    p.add_argument(
+        "--threads", type=int, default=None, help="CPU threads for the model (default: torch's, one per core)"
+    )
+    p.add_argument(
+        "--prefix-cache-mib",
+        type=float,
+        default=512,
+        metavar="MIB",
+        help="prompt KV kept so later prompts with the same opening prefill only the rest (0: off)",
+    )
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("sandbox", help="the agents' code tool")

@@ -80,6 +80,9 @@ class CoachConfig(Section):
     temperature: float = Field(0.0, ge=0.0, description="Coach sampling temperature (0: deterministic).")
     max_tokens: int = Field(512, ge=16, description="Longest coach reply.")
     concurrency: int = Field(8, ge=1, description="Coach calls in flight at once.")
+    prefix_cache_mib: float = Field(
+        512, ge=0, description="local backend: MiB of prompt KV kept for reuse by later prompts (0: off)."
+    )
     timeout_s: float = Field(60.0, gt=0, description="Per-request timeout.")
     max_retries: int = Field(4, ge=0, description="Retries on 429/5xx/timeouts (exponential backoff with jitter).")
     expected_score: bool = Field(

@@ -1,18 +1,21 @@
-"""A local model as a batched chat engine: shared by the `local` coach and `mappa serve`.
+"""A local model as a continuously batched chat engine: shared by the `local` coach and `mappa serve`.
 
-Concurrent chat requests are queued; a single worker takes everything that arrived (after the first,
-it waits for more up to 10% of the last generate call's duration, 10-250 ms, unless a full batch is
-already waiting), groups requests that can share one `Policy.generate` call (same
-agent, temperature, top-p, token cap and seed), and runs each group as one batched generation in a
-worker thread. While a batch generates, new requests queue up and form the next batch, so the
-batch size follows the load without a fixed schedule.
+Requests go to one worker thread that runs a `mappa.policy.Decoder`. Requests that can share a batch
+(same agent, temperature, top-p and seed) join the running batch between decode steps and leave it
+as soon as they finish, so nobody waits for a batch to fill or for the slowest reply in it, and a
+follow-up request sent while others are still generating joins them at the next token. Requests
+with other settings wait until the running batch drains (it takes no newcomers while they wait).
+Prompt KV is kept in a `mappa.policy.PrefixCache`: a follow-up that repeats an earlier request, or
+a prompt that shares its opening with one, prefills only what is new.
 """
 
 from __future__ import annotations
 
 import asyncio
+import queue
+import threading
 import time
-from collections.abc import Sequence
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,26 +56,47 @@ class ChatRequest:
     seed: int | None = None
 
     def group_key(self) -> tuple:
-        return (self.agent, self.temperature, self.top_p, self.max_tokens, self.seed)
+        """Requests with equal keys can decode in one batch (token caps and top-k are per row)."""
+        return (self.agent, self.temperature, self.top_p, self.seed)
+
+
+@dataclass
+class _Pending:
+    request: ChatRequest
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+_STOP = object()
 
 
 class ChatEngine:
-    """Micro-batches concurrent `chat` calls into `Policy.generate` calls (see the module docstring)."""
+    """Continuous batching of concurrent `chat` calls over one policy (see the module docstring).
 
-    def __init__(
-        self, policy: Any, max_batch: int = 16, max_wait_s: float = 0.01, max_wait_cap_s: float = 0.25
-    ) -> None:
+    Counters (read by `mappa serve`'s /stats): requests answered, prefill calls, decode steps, rows
+    decoded summed over steps (`row_steps / steps` is the mean batch), largest batch, batches run,
+    the worker's seconds in prefill and in decoding (against wall time: how busy the model is), and
+    prefix-cache hits with the prompt tokens they saved from prefill.
+    """
+
+    def __init__(self, policy: Any, max_batch: int = 16, prefix_cache_mib: float = 512) -> None:
+        from mappa.policy import PrefixCache
+
         self.policy = policy
         self.max_batch = max_batch
-        self.max_wait_s = max_wait_s  # shortest wait for more requests after the first
-        self.max_wait_cap_s = max_wait_cap_s  # longest wait, however slow generation is
-        self._last_generate_s = 0.0
-        self.batches = 0  # generate calls made
-        self.requests = 0  # requests served
+        # Served and coaching weights do not change, so prompt KV can be reused across requests.
+        self.prefix_cache = PrefixCache(int(prefix_cache_mib * 2**20)) if prefix_cache_mib > 0 else None
+        self.requests = 0
+        self.prefills = 0
+        self.steps = 0
+        self.row_steps = 0
         self.largest_batch = 0
-        self._queue: asyncio.Queue | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._worker: asyncio.Task | None = None
+        self.batches = 0  # decoding runs: a run lasts while at least one row is generating
+        self.prefill_s = 0.0  # worker time spent prefilling prompts
+        self.decode_s = 0.0  # worker time spent in decode steps
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
         self._token_text: dict[int, str] = {}
 
     def token_text(self, token_id: int) -> str:
@@ -82,88 +106,157 @@ class ChatEngine:
             self._token_text[token_id] = text
         return text
 
+    def stats(self) -> dict[str, float]:
+        return {
+            "requests": self.requests,
+            "batches": self.batches,
+            "prefills": self.prefills,
+            "steps": self.steps,
+            "mean_batch": round(self.row_steps / self.steps, 3) if self.steps else 0.0,
+            "largest_batch": self.largest_batch,
+            "prefill_s": round(self.prefill_s, 3),
+            "decode_s": round(self.decode_s, 3),
+            "prefix_hits": self.prefix_cache.hits if self.prefix_cache else 0,
+            "prefix_tokens_reused": self.prefix_cache.tokens_reused if self.prefix_cache else 0,
+        }
+
     async def chat(self, request: ChatRequest) -> Any:
-        """One response (`mappa.policy.Generation`), generated in a batch with whatever else is waiting."""
+        """One response (`mappa.policy.Generation`), decoded in a batch with whatever else is running."""
         loop = asyncio.get_running_loop()
-        if self._loop is not loop or self._worker is None or self._worker.done():
-            self._loop = loop
-            self._queue = asyncio.Queue()
-            self._worker = loop.create_task(self._run())
         future: asyncio.Future = loop.create_future()
-        await self._queue.put((request, future))
+        with self._start_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="mappa-chat-engine", daemon=True)
+                self._thread.start()
+        self._inbox.put(_Pending(request, loop, future))
         return await future
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._queue is not None
-        while True:
-            pending = [await self._queue.get()]
-            # Wait a little for company, in proportion to how long a generate call takes (10%, capped):
-            # clients whose previous reply just went out need a moment to send their next request, and
-            # without the wait two half-full batches would keep alternating. A full batch goes at once.
-            window = min(self.max_wait_cap_s, max(self.max_wait_s, 0.1 * self._last_generate_s))
-            deadline = loop.time() + window
-            while True:
-                while len(pending) < 4 * self.max_batch:
-                    try:
-                        pending.append(self._queue.get_nowait())
-                    except asyncio.QueueEmpty:
-                        break
-                remaining = deadline - loop.time()
-                if len(pending) >= self.max_batch or remaining <= 0:
-                    break
-                try:
-                    pending.append(await asyncio.wait_for(self._queue.get(), remaining))
-                except TimeoutError:
-                    break
-            groups: dict[tuple, list] = {}
-            for req, fut in pending:
-                if not fut.done():  # the client went away
-                    groups.setdefault(req.group_key(), []).append((req, fut))
-            for members in groups.values():
-                for start in range(0, len(members), self.max_batch):
-                    await self._generate(members[start : start + self.max_batch])
+    async def aclose(self) -> None:
+        """Stop the worker after the running batch; requests still waiting get an error."""
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._inbox.put(_STOP)
+            await asyncio.to_thread(thread.join)
+        self._thread = None
 
-    async def _generate(self, members: Sequence[tuple[ChatRequest, asyncio.Future]]) -> None:
-        first = members[0][0]
-        k = max(r.top_logprobs for r, _ in members)
-        t0 = time.perf_counter()
+    # ------------------------------------------------------------------------------------------------------------
+    # Worker thread
+
+    def _run(self) -> None:
+        waiting: deque[_Pending] = deque()
+        self._stopping = False
+        while not self._stopping:
+            if not waiting:
+                item = self._inbox.get()
+                if item is _STOP:
+                    break
+                waiting.append(item)
+            self._collect(waiting)
+            if not self._stopping:
+                self._decode(waiting)
+        for p in waiting:
+            _settle(p, error=RuntimeError("the chat engine was closed"))
+
+    _stopping = False
+
+    def _collect(self, waiting: deque[_Pending]) -> None:
+        """Move everything in the inbox to `waiting` without blocking (a stop request sets `_stopping`)."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is _STOP:
+                self._stopping = True
+            else:
+                waiting.append(item)
+
+    def _decode(self, waiting: deque[_Pending]) -> None:
+        """Run one batch for the settings of the oldest waiting request until its last row finishes."""
+        first = waiting[0].request
+        key = first.group_key()
+        running: dict[int, _Pending] = {}
+        opened = False
+        self.batches += 1
         try:
-            gens = await asyncio.to_thread(
-                self.policy.generate,
+            with self.policy.decoding(
                 first.agent,
-                [r.messages for r, _ in members],
                 temperature=first.temperature,
                 top_p=first.top_p,
-                max_new_tokens=first.max_tokens,
-                top_logprobs=k,
                 seed=first.seed,
-                batch_size=len(members),
-            )
-        except Exception as e:  # delivered to each caller; the worker keeps serving
-            for _, fut in members:
-                if not fut.done():
-                    fut.set_exception(e)
-            return
-        self._last_generate_s = time.perf_counter() - t0
-        self.batches += 1
-        self.requests += len(members)
-        self.largest_batch = max(self.largest_batch, len(members))
-        for (req, fut), gen in zip(members, gens, strict=True):
-            if fut.done():
+                prefix_cache=self.prefix_cache,
+            ) as decoder:
+                opened = True
+                self._admit(decoder, key, waiting, running)
+                while len(decoder):
+                    self.steps += 1
+                    self.row_steps += len(decoder)
+                    self.largest_batch = max(self.largest_batch, len(decoder))
+                    t0 = time.perf_counter()
+                    finished = decoder.step()
+                    self.decode_s += time.perf_counter() - t0
+                    for rid, gen in finished:
+                        self.requests += 1
+                        _settle(running.pop(rid), result=gen)
+                    self._collect(waiting)
+                    # Newcomers join only while no request with other settings is waiting (no starvation).
+                    if decoder.can_add and all(p.request.group_key() == key for p in waiting):
+                        self._admit(decoder, key, waiting, running)
+        except Exception as e:  # noqa: BLE001 - delivered to each caller; the worker keeps serving
+            failed = list(running.values())
+            if not opened:  # these settings cannot decode at all (e.g. an unknown agent)
+                failed += [p for p in waiting if p.request.group_key() == key]
+                for p in failed:
+                    if p in waiting:
+                        waiting.remove(p)
+            for p in failed:
+                _settle(p, error=e)
+
+    def _admit(self, decoder: Any, key: tuple, waiting: deque[_Pending], running: dict[int, _Pending]) -> None:
+        """Tokenize and add waiting requests with `key` while the batch has room."""
+        room = self.max_batch - len(decoder)
+        chosen: list[_Pending] = []
+        for p in list(waiting):
+            if len(chosen) >= room:
+                break
+            if p.request.group_key() == key:
+                waiting.remove(p)
+                if not p.future.done():  # the client went away
+                    chosen.append(p)
+        # Same token cap and top-k go in one `add` (one prefill per prompt length within it).
+        by_shape: dict[tuple[int, int], list[tuple[_Pending, list[int]]]] = {}
+        for p in chosen:
+            try:
+                ids = self.policy.chat_ids(p.request.messages)
+            except Exception as e:  # noqa: BLE001 - e.g. a chat template that refuses the roles given
+                _settle(p, error=e)
                 continue
-            if gen.top_logprobs is not None and req.top_logprobs < k:
-                trimmed = tuple(top[: req.top_logprobs] for top in gen.top_logprobs) if req.top_logprobs else None
-                gen = _replace_top(gen, trimmed)
-            fut.set_result(gen)
+            by_shape.setdefault((p.request.max_tokens, p.request.top_logprobs), []).append((p, ids))
+        for (max_tokens, top_k), members in by_shape.items():
+            keys = [id(p) for p, _ in members]
+            t0 = time.perf_counter()
+            try:
+                decoder.add([ids for _, ids in members], max_tokens, keys=keys, top_logprobs=top_k)
+            except Exception as e:  # noqa: BLE001 - these requests fail; the running rows carry on
+                for p, _ in members:
+                    _settle(p, error=e)
+                continue
+            self.prefills += 1
+            self.prefill_s += time.perf_counter() - t0
+            running.update(zip(keys, (p for p, _ in members), strict=True))
 
-    async def aclose(self) -> None:
-        if self._worker is not None:
-            self._worker.cancel()
-            self._worker = None
 
+def _settle(p: _Pending, result: Any = None, error: BaseException | None = None) -> None:
+    """Complete a caller's future from the worker thread (no-op when the caller is gone)."""
 
-def _replace_top(gen: Any, top: Any) -> Any:
-    import dataclasses
+    def done() -> None:
+        if not p.future.done():
+            if error is not None:
+                p.future.set_exception(error)
+            else:
+                p.future.set_result(result)
 
-    return dataclasses.replace(gen, top_logprobs=top)
+    try:
+        p.loop.call_soon_threadsafe(done)
+    except RuntimeError:  # the caller's event loop is closed
+        pass

@@ -40,7 +40,7 @@ class LocalCoach:
         self.template = template
         self.version = template.version
         self.policy = policy
-        self.engine = ChatEngine(policy, max_batch=cfg.concurrency)
+        self.engine = ChatEngine(policy, max_batch=cfg.concurrency, prefix_cache_mib=cfg.prefix_cache_mib)
         self.counters = CallCounters()
 
     async def complete(self, messages: list[dict[str, str]]) -> Reply:
