@@ -635,29 +635,41 @@ class _BufferedLayer(DynamicLayer):
     transformers' DynamicLayer concatenates the whole cache with each new token, copying it at every
     decode step (45% of a batch-of-8 decode step on ~1,600-token prompts); here a step writes one
     column in place. `keys`/`values` are views of the filled part, so everything that reads a
-    DynamicLayer works unchanged. A row leaving the batch rebuilds the buffers (`Decoder._select`).
+    DynamicLayer works unchanged.
+
+    Built from blocks of rows, (keys (b, H, l, D), values): each block is right-aligned in `width`
+    columns with zeros before it (masked out, but finite: 0 x NaN would poison attention), and is
+    copied once, straight into place.
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, spare: int) -> None:
+    def __init__(self, blocks: list[tuple[torch.Tensor, torch.Tensor]], width: int, spare: int) -> None:
         super().__init__()
-        self.lazy_initialization(keys, values)
-        self._fill(keys, values, spare)
+        self.lazy_initialization(*blocks[0])
+        self._fill(blocks, width, spare)
 
-    def _fill(self, keys: torch.Tensor, values: torch.Tensor, spare: int) -> None:
-        n = keys.shape[2]
-        self._k = keys.new_empty(keys.shape[0], keys.shape[1], n + spare, keys.shape[3])
-        self._v = values.new_empty(values.shape[0], values.shape[1], n + spare, values.shape[3])
-        self._k[:, :, :n] = keys
-        self._v[:, :, :n] = values
-        self._n = n
-        self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+    def _fill(self, blocks: list[tuple[torch.Tensor, torch.Tensor]], width: int, spare: int) -> None:
+        k0, v0 = blocks[0]
+        rows = sum(k.shape[0] for k, _ in blocks)
+        self._k = k0.new_empty(rows, k0.shape[1], width + spare, k0.shape[3])
+        self._v = v0.new_empty(rows, v0.shape[1], width + spare, v0.shape[3])
+        r = 0
+        for k, v in blocks:
+            b, pad = k.shape[0], width - k.shape[2]
+            if pad:
+                self._k[r : r + b, :, :pad].zero_()
+                self._v[r : r + b, :, :pad].zero_()
+            self._k[r : r + b, :, pad:width] = k
+            self._v[r : r + b, :, pad:width] = v
+            r += b
+        self._n = width
+        self.keys, self.values = self._k[:, :, :width], self._v[:, :, :width]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q = key_states.shape[2]
         if self._n + q > self._k.shape[2]:  # more tokens than reserved: grow, doubling
-            self._fill(self.keys, self.values, max(q, self._k.shape[2]))
+            self._fill([(self.keys, self.values)], self._n, max(q, self._k.shape[2]))
         self._k[:, :, self._n : self._n + q] = key_states
         self._v[:, :, self._n : self._n + q] = value_states
         self._n += q
@@ -665,7 +677,7 @@ class _BufferedLayer(DynamicLayer):
         return self.keys, self.values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._fill(self.keys[indices], self.values[indices], self._k.shape[2] - self._n)
+        self._fill([(self.keys[indices], self.values[indices])], self._n, self._k.shape[2] - self._n)
 
 
 @dataclass
@@ -748,25 +760,23 @@ class Decoder:
             self._rows = rows
             self._cache, self._logits, self._attn, self._pos = cache, logits, attn, pos
             if _stitchable(cache):
-                self._reserve([(layer.keys, layer.values) for layer in cache.layers])
+                self._reserve([[(layer.keys, layer.values)] for layer in cache.layers], attn.shape[1])
             return
         L = max(self._attn.shape[1], attn.shape[1])
         self._rows.extend(rows)
         self._reserve(
-            [
-                (torch.cat([_pad_left(a.keys, L, 2), _pad_left(b.keys, L, 2)]),
-                 torch.cat([_pad_left(a.values, L, 2), _pad_left(b.values, L, 2)]))
-                for a, b in zip(self._cache.layers, cache.layers, strict=True)
-            ]
-        )  # fmt: skip
+            [[(a.keys, a.values), (b.keys, b.values)] for a, b in zip(self._cache.layers, cache.layers, strict=True)],
+            L,
+        )
         self._attn = torch.cat([_pad_left(self._attn, L, 1), _pad_left(attn, L, 1)])
         self._pos = torch.cat([self._pos, pos])
         self._logits = torch.cat([self._logits, logits])
 
-    def _reserve(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Put (keys, values) per layer into buffers with room for every running row's remaining tokens."""
+    def _reserve(self, blocks: list[list[tuple[torch.Tensor, torch.Tensor]]], width: int) -> None:
+        """New cache layers from blocks of rows per layer (see `_BufferedLayer`), `width` columns wide,
+        with room for every running row's remaining tokens."""
         spare = max(r.max_new_tokens - len(r.tokens) for r in self._rows)
-        self._cache.layers[:] = [_BufferedLayer(k, v, spare) for k, v in kv]
+        self._cache.layers[:] = [_BufferedLayer(layer_blocks, width, spare) for layer_blocks in blocks]
 
     def step(self) -> list[tuple[Any, Generation]]:
         """Sample the next token of every running row; return the rows that finished with it."""
@@ -818,7 +828,14 @@ class Decoder:
             return
         first = int(self._attn.any(dim=0).long().argmax())
         self._attn = self._attn[:, first:]
-        self._reserve([(layer.keys[idx, :, first:], layer.values[idx, :, first:]) for layer in self._cache.layers])
+        # one block per kept row: views, so each row is copied once, straight into the new buffer
+        self._reserve(
+            [
+                [(x.keys[j : j + 1, :, first:], x.values[j : j + 1, :, first:]) for j in keep]
+                for x in self._cache.layers
+            ],
+            self._attn.shape[1],
+        )
 
     def _generation(self, row: _Row, stopped: bool) -> Generation:
         return Generation(
