@@ -158,7 +158,7 @@ def main() -> None:
 
     def batching(before: dict, after: dict) -> str:
         steps = after["steps"] - before["steps"]
-        rows = after["mean_batch"] * after["steps"] - before["mean_batch"] * before["steps"]
+        rows = after["row_steps"] - before["row_steps"]
         prefill_s, decode_s = (after[k] - before[k] for k in ("prefill_s", "decode_s"))
         return (
             f"decode steps {steps}, mean batch {rows / max(steps, 1):.2f}, "

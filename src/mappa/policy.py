@@ -911,7 +911,7 @@ def _stitchable(cache: Any) -> bool:
 
 
 def _pad_left(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    """Zero-pad `t` at the start of `dim` up to `length` (KV caches: dim 2; attention masks: dim 1)."""
+    """Zero-pad `t` at the start of `dim` up to `length` (left padding of attention masks)."""
     missing = length - t.shape[dim]
     if missing <= 0:
         return t

@@ -96,6 +96,7 @@ class ChatEngine:
         self.decode_s = 0.0  # worker time spent in decode steps
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._stopping = False  # set by a stop request; the worker exits once the running batch is done
         self._start_lock = threading.Lock()
         self._token_text: dict[int, str] = {}
 
@@ -112,6 +113,7 @@ class ChatEngine:
             "batches": self.batches,
             "prefills": self.prefills,
             "steps": self.steps,
+            "row_steps": self.row_steps,
             "mean_batch": round(self.row_steps / self.steps, 3) if self.steps else 0.0,
             "largest_batch": self.largest_batch,
             "prefill_s": round(self.prefill_s, 3),
@@ -156,8 +158,6 @@ class ChatEngine:
                 self._decode(waiting)
         for p in waiting:
             _settle(p, error=RuntimeError("the chat engine was closed"))
-
-    _stopping = False
 
     def _collect(self, waiting: deque[_Pending]) -> None:
         """Move everything in the inbox to `waiting` without blocking (a stop request sets `_stopping`)."""
