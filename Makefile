@@ -5,9 +5,22 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp-$(shell cat pyproject.toml requirements.lock | sha1sum | cut -c1-12)
 
-.PHONY: demo test test-all bench lint format clean venv
+.PHONY: demo test test-all test-slow bench lint format clean venv system fresh
 
-venv: $(STAMP)
+venv: $(STAMP) system
+
+# System packages: bubblewrap confines the agents' code. Installed when we can (root with apt), otherwise
+# one line says the sandbox falls back to its weaker confinement; re-running is a no-op once it is there.
+system:
+	@if command -v bwrap >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing bubblewrap (apt-get install bubblewrap) to confine the agents' code"; \
+	  (apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1)) || \
+	  echo "warning: could not install bubblewrap; the sandbox uses its fallback confinement (see docs/sandbox.md)"; \
+	else \
+	  echo "warning: bubblewrap missing (install it: apt-get install bubblewrap); the sandbox uses its fallback confinement"; \
+	fi
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,16 +31,25 @@ $(STAMP): pyproject.toml requirements.lock
 	rm -f $(VENV)/.stamp-*
 	touch $@
 
-demo: $(STAMP)
+demo: venv
 	$(BIN)/mappa train configs/demo.yaml $(ARGS)
 
-test: $(STAMP)
+test: venv
 	$(BIN)/python -m pytest -q $(ARGS)
 
-test-all: $(STAMP)
+test-all: venv
 	$(BIN)/python -m pytest -q -m ''
 
-bench: $(STAMP)
+# The embedded real model (GGUF -> cached safetensors -> reload, chat template, `mappa serve`): minutes.
+test-slow: venv
+	$(BIN)/python -m pytest -q -m slow $(ARGS)
+
+# The README's bootstrap on a fresh clone of the committed HEAD, in a temporary directory: a missing install
+# step fails here instead of on a newcomer's machine. Ends with snippets through the fallback confinement.
+fresh:
+	@bash scripts/fresh-bootstrap.sh
+
+bench: venv
 	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 lint: $(STAMP)

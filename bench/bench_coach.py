@@ -42,8 +42,7 @@ GEN = GenerationConfig(max_new_tokens=256)
 
 def recorded_contexts(n: int) -> list[CoachContext]:
     """Coach contexts of `n` MathChat actions (solver, coder with a tool run, verifier), all distinct."""
-    wf = MathChat()
-    specs = {s.name: s for s in wf.specs}
+    wf = MathChat(gen=GEN)
     out: list[CoachContext] = []
     i = 0
     while len(out) < n:
@@ -53,14 +52,14 @@ def recorded_contexts(n: int) -> list[CoachContext]:
             Action(
                 agent=SOLVER.name,
                 turn=0,
-                messages=tuple(wf.solver_messages(task, GEN)),
+                messages=tuple(wf.solver_messages(task)),
                 text=f"{a}*{b} is about {a * b}.",
             ),
             Action(
                 agent=CODER.name,
                 turn=0,
                 messages=(
-                    Message(role="system", content=wf.role(wf.coder, GEN)),
+                    Message(role="system", content=wf.role(wf.coder)),
                     Message(role="user", content=task.problem),
                 ),
                 text=f"```python\nprint({a} * {b})\n```",
@@ -70,13 +69,13 @@ def recorded_contexts(n: int) -> list[CoachContext]:
                 agent=VERIFIER.name,
                 turn=0,
                 messages=(
-                    Message(role="system", content=wf.role(VERIFIER, GEN)),
+                    Message(role="system", content=wf.role(VERIFIER)),
                     Message(role="user", content=str(a * b)),
                 ),
                 text=f"The code printed {a * b}. \\boxed{{{a * b}}}",
             ),
         ]
-        out.extend(wf.context(specs[x.agent], task, x, GEN) for x in actions)
+        out.extend(wf.context(task, x) for x in actions)
         i += 1
     return out[:n]
 
@@ -110,7 +109,7 @@ def start_server(model: str, threads: int | None) -> tuple[subprocess.Popen, str
 def timed(cfg: CoachConfig, contexts: list[CoachContext]) -> tuple[float, dict[str, float]]:
     with build_coach(cfg, "mathchat") as runner:
         t0 = time.perf_counter()
-        runner.score_many(contexts, progress=True)
+        runner.score_many(contexts)
         elapsed = time.perf_counter() - t0
         return elapsed, runner.stats()
 

@@ -4,7 +4,10 @@ The snippet is what a data-science agent runs: import pandas and scikit-learn, f
 score. Prints the median latency of each way, their ratio (target: warm pool >= 5x lower), and the
 throughput of 64 snippets at concurrency 2 through the pool (and of 8 cold ones, for comparison).
 
-    .venv/bin/python bench/bench_sandbox.py [--cold-runs 5] [--warm-runs 20] [--many 64]
+    .venv/bin/python bench/bench_sandbox.py [--cold-runs 5] [--warm-runs 20] [--many 64] [--confinement fallback]
+
+Runs at the default limits (memory_mb=1024: the pandas/scikit-learn snippet must pass there); the first line
+names the confinement measured.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from mappa.config import SandboxConfig
-from mappa.sandbox import Sandbox, new_workspace, remove_workspace, run_python
+from mappa.sandbox import Sandbox, describe_confinement, new_workspace, remove_workspace, run_python
 
 SNIPPET = """
 import numpy as np
@@ -43,10 +46,12 @@ def main() -> None:
     ap.add_argument("--cold-runs", type=int, default=5)
     ap.add_argument("--warm-runs", type=int, default=20)
     ap.add_argument("--many", type=int, default=64)
+    ap.add_argument("--confinement", choices=["auto", "bwrap", "fallback"], default="auto")
     args = ap.parse_args()
 
+    print(describe_confinement(args.confinement))
     ws = new_workspace()
-    cfg = SandboxConfig(pool=True, concurrency=2, timeout_s=60)
+    cfg = SandboxConfig(pool=True, concurrency=2, timeout_s=60, confinement=args.confinement)
     with Sandbox(cfg) as sb:
         t = time.perf_counter()
         first = sb.run(SNIPPET, ws)  # starts the pool: pays the imports once
@@ -57,7 +62,7 @@ def main() -> None:
         for i in range(max(args.cold_runs, args.warm_runs)):
             if i < args.cold_runs:
                 cold.append(cold_once())
-                r = run_python(SNIPPET, ws, timeout_s=60)
+                r = run_python(SNIPPET, ws, timeout_s=60, confinement=args.confinement)
                 assert r.ok, r.stderr
                 cold_sandboxed.append(r.duration_s)
             t = time.perf_counter()

@@ -5,17 +5,28 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 from pathlib import Path
+from typing import get_args
 
 import pytest
+from pydantic import ValidationError
 
-from mappa.coach import build_coach, feedback_note, parse_score, training_score
+from mappa.coach import COACHES, build_coach, parse_score, training_score
 from mappa.coach.cache import JudgmentCache, cache_key, context_hash
 from mappa.coach.parse import TokenLogprob, expected_score, parse_answer_correct, rationale_of
-from mappa.coach.prompts import TEMPLATES, build_messages, follow_up_message, render_context, template_for
+from mappa.coach.prompts import (
+    TEMPLATES,
+    EvidenceTooLong,
+    build_messages,
+    fit_prompt,
+    follow_up_message,
+    render_context,
+    template_for,
+)
 from mappa.coach.rubric import rubric_score
-from mappa.config import CoachConfig
+from mappa.coach.tokens import byte_count, token_counter
+from mappa.config import CoachConfig, WorkflowConfig
 from mappa.errors import MappaError
-from mappa.types import Action, CoachContext, CoachScore, Episode, Message, Task
+from mappa.types import Action, CoachContext, CoachScore, Episode, ExecResult, Message, Task
 
 GROUND_TRUTH = "SECRET-ANSWER-4242"
 
@@ -29,10 +40,19 @@ def ctx(**kw) -> CoachContext:
         is_final=False,
         messages=(Message(role="system", content="role"), Message(role="user", content="Problem: 2 + 3")),
         output="```python\nprint(2 + 3)\n```",
+        exec_result=ExecResult(ok=True, exit_code=0, stdout="5\n"),
         observation="5",
     )
     base.update(kw)
     return CoachContext(**base)
+
+
+NO_TOOL = dict(exec_result=None, observation="")
+
+
+def failed(stderr: str, **kw) -> dict:
+    """A tool call that failed, as the context carries it."""
+    return dict(exec_result=ExecResult(ok=False, exit_code=1, stderr=stderr, **kw), observation=f"[stderr]\n{stderr}")
 
 
 # ------------------------------------------------------------------------------------------------ parse_score
@@ -147,7 +167,7 @@ def test_prompt_renders_ground_truth_for_the_final_agent() -> None:
 
 def test_prompt_holds_the_evidence() -> None:
     c = ctx(
-        observation="Traceback: ZeroDivisionError",
+        **failed("Traceback: ZeroDivisionError"),
         files_visible=("X_train.pkl",),
         files_by_agent={"data_engineer": ("X_train.pkl",)},
         extra={"roc_auc": 0.81, "episode_correct": True},
@@ -157,6 +177,16 @@ def test_prompt_holds_the_evidence() -> None:
         assert needle in text
     assert "roc_auc: 0.81" in text
     assert "episode_correct" not in text  # bookkeeping for the outcome coach, never shown to an AI coach
+    assert "no tool used" not in text and "left out" not in text
+    assert "no tool used" in render_context(ctx(**NO_TOOL))  # the words are for the coach; code reads exec_result
+
+
+def test_prompt_sends_input_and_output_whole() -> None:
+    long_input, long_output = "I" * 50_000 + "END-OF-INPUT", "O" * 50_000 + "END-OF-OUTPUT"
+    c = ctx(messages=(Message(role="user", content=long_input),), output=long_output)
+    text = render_context(c)
+    assert long_input in text and long_output in text and "omitted" not in text and "left out" not in text
+    assert fit_prompt(c, TEMPLATES["mathchat"], None, byte_count)[1].messages == 0  # no budget: nothing is cut
 
 
 def test_templates_are_versioned_and_selectable() -> None:
@@ -165,14 +195,70 @@ def test_templates_are_versioned_and_selectable() -> None:
     assert template_for("", "some_new_workflow").name == "generic"
     assert template_for("generic", "mathchat").name == "generic"
     assert len({t.version for t in TEMPLATES.values()}) == len(TEMPLATES)
-    with pytest.raises(MappaError, match="coach.template"):
-        template_for("nope", "mathchat")
+
+
+def _literal(model: type, field: str) -> set[str]:
+    return set(get_args(model.model_fields[field].annotation))
+
+
+def test_valid_names_are_the_configs() -> None:
+    # One list of names per setting: the config's; the dicts must serve exactly those names.
+    from mappa.workflows import WORKFLOWS
+
+    assert set(COACHES) == _literal(CoachConfig, "backend")
+    assert set(TEMPLATES) == _literal(CoachConfig, "template") - {""}
+    assert set(WORKFLOWS) == _literal(WorkflowConfig, "name")
+    with pytest.raises(ValidationError, match="template"):
+        CoachConfig(template="nope")
+
+
+# --------------------------------------------------------------------------------------- context budget
+def _turns(n: int, size: int) -> tuple[Message, ...]:
+    return tuple(Message(role="user" if i % 2 else "assistant", content=f"<m{i}>" + "x" * size) for i in range(n))
+
+
+def test_fit_prompt_cuts_the_oldest_input_first_and_never_the_output() -> None:
+    template = TEMPLATES["mathchat"]
+    c = ctx(messages=_turns(6, 2000), output="OUT" * 1000)
+    full = byte_count(build_messages(c, template))
+    budget = full - 3000  # the two oldest messages (about 4 kB) hold more than the excess
+    messages, cut = fit_prompt(c, template, budget, byte_count)
+    text = messages[1]["content"]
+    assert byte_count(messages) <= budget
+    assert (cut.dropped, cut.messages) == (1, 2) and 0 < cut.chars < 2005  # m0 out, the head of m1 out
+    assert "OUT" * 1000 in text  # the output is whole
+    assert "<m0>" not in text and "<m1>" not in text and all(f"<m{i}>" in text for i in range(2, 6))
+    assert "[messages 0-0 left out]" in text and f"first {cut.chars} characters of this message left out" in text
+    assert "cut to fit your context: 2 of its 6 messages" in text
+    # The cut is as small as it can be: one character less does not fit.
+    tighter = build_messages(c, template, type(cut)(cut.dropped, cut.chars - 1))
+    assert byte_count(tighter) > budget
+
+
+def test_fit_prompt_gives_up_rather_than_cut_the_output() -> None:
+    template = TEMPLATES["mathchat"]
+    c = ctx(messages=_turns(2, 100), output="O" * 10_000)
+    with pytest.raises(EvidenceTooLong, match="without any of the agent's input"):
+        fit_prompt(c, template, 5_000, byte_count)
+
+
+def test_token_counter_prefers_a_local_tokenizer_and_falls_back_to_bytes(tmp_path: Path) -> None:
+    from mappa.models import tiny_tokenizer
+
+    tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    messages = [{"role": "user", "content": "hello world " * 50}]
+    count, name = token_counter("", str(tmp_path / "tok"))
+    assert name.startswith("tokenizer") and 0 < count(messages) < byte_count(messages)
+    count, name = token_counter("", "some-api-model-not-on-disk")
+    assert name == "UTF-8 bytes" and count is byte_count
+    with pytest.raises(MappaError, match="coach.tokenizer"):
+        token_counter(str(tmp_path / "missing"), "m")
 
 
 # -------------------------------------------------------------------------------------------------- rubric
 def test_rubric_ignores_ground_truth_for_non_final_agents() -> None:
     # A Problem Solver whose text happens to contain the reference must not score higher for it.
-    solver = dict(agent="problem_solver", role="You are the Problem Solver.", observation="no tool used")
+    solver = dict(agent="problem_solver", role="You are the Problem Solver.", **NO_TOOL)
     plain = rubric_score(ctx(output="I think the answer is \\boxed{7} after some steps.", **solver))
     leaked = rubric_score(ctx(output="I think the answer is \\boxed{7} after some steps.", ground_truth="7", **solver))
     assert plain.score == leaked.score
@@ -185,9 +271,11 @@ def test_rubric_ignores_ground_truth_for_non_final_agents() -> None:
     [
         (dict(output="   "), 0, 0, "empty output"),
         (dict(output="I would just guess."), 0, 2, "no runnable"),
-        (dict(observation="Traceback (most recent call last):\nZeroDivisionError: division by zero"), 2, 4, "error"),
-        (dict(observation="[timed out after 10 s]"), 1, 3, "timed out"),
-        (dict(observation="5"), 7, 9, "ran and printed"),
+        (failed("Traceback (most recent call last):\nZeroDivisionError: division by zero"), 2, 4, "error"),
+        (failed("", timed_out=True), 1, 3, "timed out"),
+        (dict(exec_result=ExecResult(ok=True, exit_code=0), observation="[no output]"), 4, 6, "printed nothing"),
+        (NO_TOOL, 2, 4, "no tool output"),
+        (dict(), 7, 9, "ran and printed"),
     ],
 )
 def test_rubric_code_agent_rules(kw: dict, lo: float, hi: float, phrase: str) -> None:
@@ -198,9 +286,7 @@ def test_rubric_code_agent_rules(kw: dict, lo: float, hi: float, phrase: str) ->
 
 
 def test_rubric_final_agent_checks_the_answer() -> None:
-    final = dict(
-        agent="verifier", role="You are the Verifier.", is_final=True, ground_truth="5", observation="no tool used"
-    )
+    final = dict(agent="verifier", role="You are the Verifier.", is_final=True, ground_truth="5", **NO_TOOL)
     right = rubric_score(ctx(output="The code printed 5, so \\boxed{5}.", **final))
     wrong = rubric_score(ctx(output="Hmm, \\boxed{6}.", **final))
     none = rubric_score(ctx(output="It is five, I believe.", **final))
@@ -221,13 +307,11 @@ def test_rubric_judges_code_only_for_agents_with_the_tool() -> None:
             agent="problem_solver",
             role=role,
             output="2 + 3 = 5, so the answer is 5.",
-            observation="no tool used",
             extra={"tools": []},
+            **NO_TOOL,
         )
     )
-    coder = rubric_score(
-        ctx(output="2 + 3 = 5, so the answer is 5.", observation="no tool used", extra={"tools": ["python"]})
-    )
+    coder = rubric_score(ctx(output="2 + 3 = 5, so the answer is 5.", extra={"tools": ["python"]}, **NO_TOOL))
     assert "no runnable" not in solver.rationale and solver.score >= 5
     assert "no runnable" in coder.rationale and coder.score <= 2
 
@@ -243,22 +327,6 @@ def test_rubric_required_files() -> None:
 
 
 # ------------------------------------------------------------------------------------------------- outcome
-def episode(correct: bool | None, n: int = 3) -> Episode:
-    task = Task(id="t", problem="2+3", answer="5", source="arithmetic")
-    actions = tuple(Action(agent=f"a{i}", turn=0, messages=(), text="x") for i in range(n))
-    return Episode(id="e", workflow="mathchat", task=task, actions=actions, correct=correct)
-
-
-def test_outcome_scores_whole_episodes() -> None:
-    runner = build_coach(CoachConfig(backend="outcome"), "mathchat")
-    good, bad, unknown = runner.finish_episodes([episode(True), episode(False), episode(None)])
-    assert [a.coach.score for a in good.actions] == [10.0] * 3
-    assert [a.coach.score for a in bad.actions] == [0.0] * 3
-    assert [a.coach.score for a in unknown.actions] == [None] * 3
-    stats = runner.stats()
-    assert stats["judgments"] == 9 and stats["unscored"] == 3 and stats["calls"] == 0
-
-
 def test_outcome_per_context() -> None:
     runner = build_coach(CoachConfig(backend="outcome"), "mathchat")
     final = ctx(is_final=True, ground_truth="5", output="\\boxed{5}")
@@ -268,12 +336,6 @@ def test_outcome_per_context() -> None:
     assert s_final.score == 10.0
     assert s_early.score is None and "not known" in s_early.error  # never a guess
     assert s_known.score == 0.0
-
-
-def test_finish_episodes_leaves_live_scores_of_other_backends_alone() -> None:
-    runner = build_coach(CoachConfig(backend="rubric"), "mathchat")
-    ep = episode(True)
-    assert runner.finish_episodes([ep]) == [ep]
 
 
 # --------------------------------------------------------------------------------------------------- cache
@@ -335,20 +397,18 @@ def test_training_score_never_invents_by_default() -> None:
     assert training_score(None) is None
 
 
-def test_feedback_note() -> None:
-    assert "7/10" in feedback_note("Code Executor", CoachScore(score=7.0, rationale="ran fine"))
-    assert "unscored" in feedback_note("Code Executor", CoachScore(score=None))
-
-
 def test_runner_rubric_accounting_and_order() -> None:
     runner = build_coach(CoachConfig(backend="rubric"), "mathchat")
-    contexts = [ctx(output=" "), ctx(observation="5"), ctx(observation="ValueError: bad")]
-    scores = runner.score_many(contexts)
+    contexts = [ctx(output=" "), ctx(), ctx(**failed("ValueError: bad"))]
+    seen: list[tuple[int, int]] = []
+    scores = runner.score_many(contexts, lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 3), (2, 3), (3, 3)]
     assert [s.score for s in scores] == [rubric_score(c).score for c in contexts]
     # The runner is the workflow's scorer callable.
     assert [s.score for s in runner(contexts)] == [s.score for s in runner.score_many(contexts)]
     stats = runner.stats()
     assert stats["judgments"] == 9 and stats["calls"] == 0 and stats["cache_hits"] == 0 and stats["unscored"] == 0
+    assert stats["truncated_contexts"] == 0
     assert runner.cache is None  # free rules are not cached
     runner.close()
 
@@ -358,3 +418,27 @@ def test_build_coach_errors() -> None:
         build_coach(CoachConfig(backend="openai", base_url="http://127.0.0.1:9/v1"), "mathchat")
     with pytest.raises(MappaError, match="coach.model"):
         build_coach(CoachConfig(backend="local"), "mathchat")
+
+
+# -------------------------------------------------------------------------------------------------- replay
+def _recorded(workflow: str = "mathchat", agent: str = "verifier") -> Episode:
+    task = Task(id="t", problem="What is 2 + 3?", answer="5", source="arithmetic")
+    action = Action(
+        agent=agent, turn=0, messages=(Message(role="system", content="the role it got"),), text="\\boxed{5}"
+    )
+    return Episode(id="e7", workflow=workflow, task=task, actions=(action,), correct=True)
+
+
+def test_replay_rebuilds_contexts_and_rejects_what_it_cannot() -> None:
+    from mappa.coach.replay import score_episodes
+    from mappa.config import load_config
+
+    cfg = load_config(None)
+    runner = build_coach(CoachConfig(backend="rubric"), "mathchat")
+    seen: list[tuple[int, int]] = []
+    (ep,) = score_episodes(runner, [_recorded()], cfg, lambda done, total: seen.append((done, total)))
+    assert ep.actions[0].coach.score == 10.0 and seen == [(1, 1)]
+    with pytest.raises(MappaError, match="workflow 'nope' is not a known workflow"):
+        score_episodes(runner, [_recorded(workflow="nope")], cfg)
+    with pytest.raises(MappaError, match="episode e7: agent 'analyst' is not part of workflow 'mathchat'"):
+        score_episodes(runner, [_recorded(agent="analyst")], cfg)

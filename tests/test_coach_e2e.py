@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from mappa.coach import build_coach
+from mappa.coach.prompts import TEMPLATES, fit_prompt
 from mappa.config import CoachConfig, GenerationConfig
 from mappa.types import Action, CoachContext, Episode, ExecResult, Message, Task, read_jsonl, write_jsonl
 from mappa.workflows.mathchat import CODER, SOLVER, VERIFIER, MathChat
@@ -80,11 +81,11 @@ def requests_served(base: str) -> int:
 
 def recorded_episode(i: int) -> Episode:
     """A MathChat episode as the workflow records it (messages exactly as each agent saw them)."""
-    wf = MathChat()
+    wf = MathChat(gen=GEN)
     task = Task(id=f"t{i}", problem=f"What is {i} + 3?", answer=str(i + 3), source="arithmetic")
-    solver_msgs = tuple(wf.solver_messages(task, GEN))
+    solver_msgs = tuple(wf.solver_messages(task))
     solver = Action(agent=SOLVER.name, turn=0, messages=solver_msgs, text=f"{i} + 3 = {i + 3}.")
-    coder_msgs = (Message(role="system", content=wf.role(wf.coder, GEN)), Message(role="user", content=task.problem))
+    coder_msgs = (Message(role="system", content=wf.role(wf.coder)), Message(role="user", content=task.problem))
     coder = Action(
         agent=CODER.name,
         turn=0,
@@ -92,18 +93,17 @@ def recorded_episode(i: int) -> Episode:
         text=f"```python\nprint({i} + 3)\n```",
         exec_result=ExecResult(ok=True, exit_code=0, stdout=f"{i + 3}\n"),
     )
-    ver_msgs = (Message(role="system", content=wf.role(VERIFIER, GEN)), Message(role="user", content=f"{i + 3}"))
+    ver_msgs = (Message(role="system", content=wf.role(VERIFIER)), Message(role="user", content=f"{i + 3}"))
     verifier = Action(agent=VERIFIER.name, turn=0, messages=ver_msgs, text=f"\\boxed{{{i + 3}}}")
     return Episode(id=f"e{i}", workflow="mathchat", task=task, actions=(solver, coder, verifier), correct=True)
 
 
 def contexts(n: int) -> list[CoachContext]:
-    wf = MathChat()
-    specs = {s.name: s for s in wf.specs}
+    wf = MathChat(gen=GEN)
     out = []
     for i in range(n):
         ep = recorded_episode(i)
-        out.extend(wf.context(specs[a.agent], ep.task, a, GEN) for a in ep.actions)
+        out.extend(wf.context(ep.task, a) for a in ep.actions)
     return out
 
 
@@ -169,7 +169,7 @@ def test_coach_score_command_replays_with_the_cache(served: str, tmp_path: Path)
     live = contexts(1)
     from mappa.coach.replay import episode_contexts
 
-    assert [c for ep in a for c in episode_contexts(ep, MathChat(), GEN)] == live
+    assert [c for ep in a for c in episode_contexts(ep, MathChat(gen=GEN))] == live
 
 
 def test_coach_score_command_rubric_and_outcome(tmp_path: Path) -> None:
@@ -232,13 +232,14 @@ def test_local_coach_on_a_tiny_model(tmp_path: Path) -> None:
 
     model, tokenizer = tiny_model_and_tokenizer()
     policy = Policy.from_model(model, tokenizer, ["problem_solver", "code_executor", "verifier"])
-    cfg = CoachConfig(backend="local", max_tokens=16, cache_path=str(tmp_path / "c.sqlite"))
+    # The tiny model's nominal context (1024) is shorter than these prompts in its byte-level tokens; its
+    # rotary positions run longer, so the test grants it more room than its own default budget.
+    cfg = CoachConfig(backend="local", max_tokens=16, max_context_tokens=4096, cache_path=str(tmp_path / "c.sqlite"))
     ctxs = contexts(1)
     with build_coach(cfg, "mathchat", policy=policy) as runner:
         scores = runner.score_many(ctxs)
         stats = runner.stats()
-        engine = runner.coach.engine
-        assert engine.largest_batch == 3  # the three judgments ran as one generate call
+        assert runner.coach.batches[0] == 3  # the three judgments ran as one generate call
         tokens = runner._run(runner.coach.complete([{"role": "user", "content": "hi"}])).tokens
         assert tokens and all(len(t.top) == 20 for t in tokens)
         again = runner.score_many(ctxs)
@@ -247,6 +248,32 @@ def test_local_coach_on_a_tiny_model(tmp_path: Path) -> None:
     assert stats["prompt_tokens"] > 0 and stats["completion_tokens"] > 0
     assert all(s.backend == "local" for s in scores)
     assert all(a.cached for a in again)
+    assert stats["truncated_contexts"] == 0  # the model's own context holds these prompts whole
+
+
+def test_local_coach_fits_long_evidence_to_its_budget(tmp_path: Path) -> None:
+    """Counted with the coach model's own tokenizer and chat template: the prompt it decodes fits exactly."""
+    from mappa.models import tiny_model_and_tokenizer
+    from mappa.policy import Policy
+
+    model, tokenizer = tiny_model_and_tokenizer()
+    policy = Policy.from_model(model, tokenizer, ["verifier"])
+    # Whole: 3154 tokens; without the oldest two input messages 2284, without three 1816 (measured).
+    cfg = CoachConfig(backend="local", max_tokens=16, max_context_tokens=2400, cache=False)
+    turns = tuple(Message(role="user", content=f"turn {i}: " + "word " * 150) for i in range(4))
+    (long,) = [c.model_copy(update={"messages": turns}) for c in contexts(1)[-1:]]
+    with build_coach(cfg, "mathchat", policy=policy) as runner:
+        (score,) = runner.score_many([long])
+        stats = runner.stats()
+        fit = runner.coach.fit
+        sent, cut = fit_prompt(long, TEMPLATES["mathchat"], fit.budget, fit.count)
+    assert fit.budget == 2400 - 16  # the reply's room is kept free
+    # Without the two oldest it fits with room to spare, so the newest part of the second comes back.
+    assert (cut.dropped, cut.messages) == (1, 2) and cut.chars > 0
+    assert score.truncated_inputs == 2 and stats["truncated_contexts"] == 1
+    assert fit.budget - 20 < fit.count(sent) <= fit.budget  # as much evidence as fits, in the coach's own tokens
+    text = sent[1]["content"]
+    assert "turn 2:" in text and "turn 3:" in text and "turn 0:" not in text and "turn 1:" not in text
 
 
 @pytest.mark.slow
@@ -256,8 +283,8 @@ def test_embedded_model_served_and_coaching(tmp_path: Path) -> None:
     the openai coach completes every judgment (scored, or unscored after the follow-up; never a failure)."""
     import openai
 
-    from mappa.coach.engine import load_policy
-    from mappa.serve import create_app, start_server
+    from mappa.serving.engine import load_policy
+    from mappa.serving.server import create_app, start_server
 
     policy = load_policy("smollm2-135m-instruct")
     server = start_server(create_app(policy, "smollm2-135m-instruct", ()))

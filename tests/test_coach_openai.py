@@ -22,7 +22,7 @@ from mappa.coach import build_coach
 from mappa.coach.openai_backend import OpenAICoach, retry_after_s
 from mappa.config import CoachConfig
 from mappa.errors import MappaError
-from mappa.types import CoachContext, Message
+from mappa.types import CoachContext, ExecResult, Message
 
 
 def reply(
@@ -133,6 +133,7 @@ def ctx(case: str, **kw) -> CoachContext:
         is_final=False,
         messages=(Message(role="user", content="Problem: 2 + 3"),),
         output="```python\nprint(2 + 3)\n```",
+        exec_result=ExecResult(ok=True, exit_code=0, stdout="5\n"),
         observation="5",
     )
     base.update(kw)
@@ -333,3 +334,40 @@ def test_identical_contexts_in_one_batch_are_paid_once(serve) -> None:
     assert server.attempts["dup"] == 1
     stats = runner.stats()
     assert stats["calls"] == 1 and stats["cache_hits"] == 2 and stats["judgments"] == 3
+
+
+def test_long_evidence_goes_whole_without_a_budget(serve) -> None:
+    server, runner = serve({})
+    turns = tuple(Message(role="user", content=f"<turn {i}> " + "y" * 20_000) for i in range(4))
+    (score,) = runner.score_many([ctx("whole", messages=turns, output="Z" * 30_000)])
+    sent = server.requests[0]["messages"][1]["content"]
+    assert score.score == 7.0 and score.truncated_inputs == 0
+    assert all(m.content in sent for m in turns) and "Z" * 30_000 in sent
+    assert runner.stats()["truncated_contexts"] == 0
+
+
+def test_budget_cuts_the_oldest_input_and_counts_it(serve) -> None:
+    # No tokenizer for "judge" on this machine: UTF-8 bytes count, an upper bound on any model's tokens.
+    server, runner = serve({}, max_context_tokens=40_000, max_tokens=512)
+    assert runner.coach.counted_by == "UTF-8 bytes"
+    turns = tuple(Message(role="user", content=f"<turn {i}> " + "y" * 20_000) for i in range(4))
+    short = ctx("short")
+    long = ctx("long", messages=turns, output="Z" * 10_000 + "END")
+    s_short, s_long = runner.score_many([short, long])
+    sent = next(r for r in server.requests if "CASE=long" in json.dumps(r))["messages"]
+    text = sent[1]["content"]
+    assert sum(len(m["content"].encode()) for m in sent) <= 40_000 - 512
+    assert "Z" * 10_000 + "END" in text  # the output is never cut
+    assert "<turn 3>" in text and "<turn 0>" not in text  # the oldest go first
+    assert "cut to fit your context" in text and "left out" in text
+    assert s_short.truncated_inputs == 0 and s_long.truncated_inputs >= 2 and s_long.score == 7.0
+    assert runner.stats()["truncated_contexts"] == 1
+    runner.score_many([long])  # a cache hit is the same judgment on the same cut evidence
+    assert runner.stats()["truncated_contexts"] == 2 and runner.stats()["cache_hits"] == 1
+
+
+def test_evidence_that_cannot_fit_is_unscored_not_sent(serve) -> None:
+    server, runner = serve({}, max_context_tokens=2_000, max_tokens=256)
+    (score,) = runner.score_many([ctx("huge", output="Z" * 5_000)])
+    assert score.score is None and "evidence too long" in score.error
+    assert not server.requests and runner.stats()["unscored"] == 1

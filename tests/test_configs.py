@@ -59,6 +59,7 @@ def test_paper_settings() -> None:
     assert (t.prompts_per_step, t.samples_per_prompt, t.steps) == (32, 2, 128)
     assert (t.kl_coef, t.clip_eps, t.gamma, t.grad_clip, tuple(t.adam_betas)) == (0.01, 0.2, 1.0, 1.0, (0.9, 0.95))
     assert (t.warmup_ratio, t.min_lr_ratio) == (0.03, 0.1)
+    assert (t.mini_batch_size, t.epochs) == (16, 1)  # train_batch_size 16: 64-128 actions -> 4-8 optimizer steps
     assert (cfg.generation.max_new_tokens, cfg.eval.samples, cfg.eval.temperature) == (4096, 4, 0.6)
     assert cfg.coach.backend == "openai" and cfg.coach.temperature == 0.0
 

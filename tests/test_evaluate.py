@@ -1,4 +1,4 @@
-"""Evaluation: metrics from hand-made episodes, and a real eval run (tiny model, real sandbox) via eval_command."""
+"""Evaluation: a real eval run (tiny model, real sandbox) via `mappa eval`'s command, and the gain of a run."""
 
 from __future__ import annotations
 
@@ -7,58 +7,16 @@ from pathlib import Path
 
 import pytest
 
+from mappa.cli.evaluate import eval_command
 from mappa.config import load_config
 from mappa.errors import MappaError
-from mappa.evaluate import eval_command, summarize
-from mappa.types import Action, Episode, ExecResult, Task
+from mappa.evaluate import eval_gain
+from mappa.types import Episode, Task, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def act(agent: str, n_tokens: int, ran: bool = False, truncated: bool = False) -> Action:
-    return Action(
-        agent=agent,
-        turn=0,
-        messages=(),
-        text="x",
-        response_ids=tuple(range(n_tokens)),
-        truncated=truncated,
-        exec_result=ExecResult(ok=True) if ran else None,
-    )
-
-
-def test_summarize_counts_per_agent() -> None:
-    task = Task(id="t", problem="p", answer="1", source="arithmetic")
-    episodes = [
-        Episode(
-            id="a",
-            workflow="w",
-            task=task,
-            actions=(act("s", 10), act("c", 4, ran=True), act("c", 6)),
-            correct=True,
-            final_answer="1",
-        ),
-        Episode(
-            id="b",
-            workflow="w",
-            task=task,
-            actions=(act("s", 20, truncated=True), act("c", 2, ran=True)),
-            correct=False,
-        ),
-    ]
-    m = summarize(episodes, ["s", "c"])
-    assert m["eval/accuracy"] == 0.5 and m["eval/answered_rate"] == 0.5 and m["eval/episodes"] == 2
-    assert m["eval/s/tool_use_rate"] == 0 and m["eval/c/tool_use_rate"] == pytest.approx(2 / 3)
-    assert m["eval/s/response_tokens"] == 15 and m["eval/c/response_tokens"] == 4
-    assert m["eval/s/truncation_rate"] == 0.5 and m["eval/c/truncation_rate"] == 0
-    assert m["eval/c/actions_per_episode"] == 1.5
-
-
-def test_summarize_empty_is_zero_not_an_error() -> None:
-    assert summarize([], ["s"])["eval/accuracy"] == 0.0
-
-
-def test_eval_command_on_a_saved_checkpoint(tmp_path: Path) -> None:
+def test_eval_command_on_a_saved_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from mappa.policy import Policy
     from mappa.workflows import build_workflow
 
@@ -73,7 +31,7 @@ def test_eval_command_on_a_saved_checkpoint(tmp_path: Path) -> None:
             "eval.samples=2",
         ],
     )
-    agents = build_workflow(cfg.workflow).agents
+    agents = build_workflow(cfg).agents
     policy = Policy.from_config(cfg.model, agents, seed=0)
     ckpt = tmp_path / "run" / "checkpoints" / "step-000003"
     policy.save(ckpt / "policy")
@@ -84,6 +42,9 @@ def test_eval_command_on_a_saved_checkpoint(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.jsonl").read_text())
     assert summary["tag"] == "step-000003" and summary["eval/episodes"] == 6
     assert 0.0 <= summary["eval/accuracy"] <= 1.0
+    assert summary["eval/arithmetic/accuracy"] == summary["eval/accuracy"] and summary["eval/tasks"] == 3
+    console = capsys.readouterr().err
+    assert "arithmetic" in console and "accuracy [95% CI]" in console  # per source, with its interval
     assert all(a["coach"] is None for e in episodes for a in json.loads(e)["actions"])  # no coach in eval
 
 
@@ -91,3 +52,20 @@ def test_eval_command_rejects_a_non_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(MappaError, match="not a checkpoint"):
         eval_command(load_config(None, ["model.name=tiny-random"]), str(tmp_path / "empty"), None)
+
+
+def test_eval_gain_pairs_the_start_and_final_episodes(tmp_path: Path) -> None:
+    tasks = [Task(id=f"t{i}", problem="p", answer="1", source="arithmetic") for i in range(20)]
+
+    def run(correct: list[bool]) -> list[Episode]:
+        return [
+            Episode(id=f"e{i}", workflow="w", task=t, correct=c)
+            for i, (t, c) in enumerate(zip(tasks, correct, strict=True))
+        ]
+
+    write_jsonl(tmp_path / "start.jsonl", run([False] * 20))
+    write_jsonl(tmp_path / "final.jsonl", run([True] * 6 + [False] * 14))
+    gain = eval_gain(tmp_path)
+    assert gain is not None and gain.paired and gain.gain == pytest.approx(0.3) and gain.improved == 6
+    assert gain.significant  # six improved, none worse: more than noise even on 20 tasks
+    assert eval_gain(tmp_path, after="step-000004") is None

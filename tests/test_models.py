@@ -188,6 +188,15 @@ def test_embedded_model_cold_load_caches_a_plain_model_and_generates(tmp_path, c
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
 
+def _error_line(stderr: str) -> str:
+    """The one error line of a failed run: after the confinement line (and any bar), with no traceback."""
+    lines = stderr.strip().splitlines()
+    assert lines[0].startswith("sandbox: ") and "Traceback" not in stderr, stderr
+    errors = [line for line in lines if line.startswith("mappa: error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0], stderr
+    return errors[0]
+
+
 def test_cli_reports_model_errors_as_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     from mappa.cli import main
 
@@ -205,11 +214,11 @@ def test_cli_reports_model_errors_as_one_line_and_exit_2(tmp_path, monkeypatch, 
         args = ["rollout", str(DEMO), "--set", f"model.name={name}", "--episodes", "1", "--out", str(tmp_path / "o")]
         assert main(args) == 2
         err = capsys.readouterr().err
-        assert err.startswith("mappa: error: ") and message in err and err.count("\n") == 1, err
+        assert _error_line(err).startswith("mappa: error: ") and message in _error_line(err), err
     monkeypatch.setenv("MAPPA_CACHE", str(blocker / "cache"))
     assert main(["rollout", str(DEMO), "--episodes", "1", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert "not writable" in err and err.count("\n") == 1, err
+    assert "not writable" in _error_line(err), err
 
 
 def test_console_script_prints_no_traceback(tmp_path):
@@ -225,4 +234,4 @@ def test_console_script_prints_no_traceback(tmp_path):
     ]
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
-    assert done.stderr.strip() == f"mappa: error: model file {tmp_path / 'x.gguf'} not found"
+    assert _error_line(done.stderr) == f"mappa: error: model file {tmp_path / 'x.gguf'} not found"

@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from mappa.rl import clipped_pg_loss, masked_whiten, reinforce_pp_advantages, returns_to_go, token_rewards
+from mappa.rl import (
+    clipped_pg_loss,
+    lr_factor,
+    masked_whiten,
+    minibatches,
+    reinforce_pp_advantages,
+    returns_to_go,
+    token_rewards,
+)
 
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.float32)
 
@@ -141,3 +149,29 @@ def test_equal_scores_give_zero_advantage() -> None:
     )
     # returns differ only by position (score on the last token is reached from every earlier token)
     torch.testing.assert_close(adv, torch.zeros(2, 3))
+
+
+# ---------------------------------------------------------------------------------------------------- schedule
+def test_minibatches_cover_each_action_once_per_epoch_seeded() -> None:
+    batches = minibatches(10, 4, epochs=2, seed=3)
+    assert [len(b) for b in batches] == [4, 4, 2, 4, 4, 2]
+    assert sorted(i for b in batches[:3] for i in b) == list(range(10))
+    assert sorted(i for b in batches[3:] for i in b) == list(range(10))
+    assert batches[:3] != batches[3:]  # each pass reshuffled
+    assert batches == minibatches(10, 4, epochs=2, seed=3) and batches != minibatches(10, 4, epochs=2, seed=4)
+
+
+def test_minibatches_small_batch_is_one_step() -> None:
+    (only,) = minibatches(3, 16, seed=0)
+    assert sorted(only) == [0, 1, 2]
+    assert minibatches(0, 4) == []
+
+
+def test_lr_factor_warms_up_then_decays_to_the_floor() -> None:
+    # 10 rollout steps x 4 optimizer steps: each optimizer step ends at progress (s + (j + 1) / 4) / 10
+    values = [lr_factor((s + (j + 1) / 4) / 10, 0.05, 0.1) for s in range(10) for j in range(4)]
+    assert values[0] == pytest.approx(0.025 / 0.05) and values[1] == pytest.approx(1.0)  # warm-up: first 5%
+    assert values[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(values[1:], values[2:], strict=False))  # cosine never rises
+    assert lr_factor(0.05 + 0.95 / 2, 0.05, 0.1) == pytest.approx(0.55)  # halfway through the cosine
+    assert lr_factor(0.0, 0.0, 0.1) == 1.0 and lr_factor(2.0, 0.0, 0.1) == pytest.approx(0.1)

@@ -13,10 +13,10 @@ import openai
 import pytest
 import torch
 
-from mappa.coach.engine import load_policy
 from mappa.models import tiny_model_and_tokenizer
 from mappa.policy import Policy
-from mappa.serve import RunningServer, create_app, served_names, start_server
+from mappa.serving.engine import load_policy
+from mappa.serving.server import RunningServer, create_app, served_names, start_server
 from mappa.types import Message
 
 BASE = "tiny-random"
@@ -188,9 +188,9 @@ def test_serving_a_checkpoint_exposes_its_agents(policy: Policy, tmp_path) -> No
 def test_responses_are_not_held_back_by_nagle() -> None:
     # Without TCP_NODELAY the response body (a second write after the headers) waits ~40 ms for the
     # client's delayed ACK: every request paid it. Accepted connections inherit the listening socket's option.
-    from mappa.serve import _bind
+    from mappa.serving.server import bind
 
-    sock = _bind("127.0.0.1", 0)
+    sock = bind("127.0.0.1", 0)
     try:
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
         client = socket.create_connection(sock.getsockname())

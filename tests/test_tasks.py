@@ -11,7 +11,7 @@ import pytest
 from mappa.config import TasksConfig
 from mappa.errors import MappaError
 from mappa.tasks import SOURCES, check_answer, extract_answer, load_source, load_tasks, normalise_problem
-from mappa.tasks.answers import boxed_contents
+from mappa.tasks.answers import boxed_contents, without_reasoning
 from mappa.tasks.arithmetic import arithmetic_tasks
 from mappa.tasks.math import gsm8k_answer
 
@@ -38,8 +38,8 @@ needs_data = pytest.mark.skipif(not (SHARED / "AIME_1983_2024.json").is_file(), 
         ("\\boxed{ $42$ }", "42", True),
         ("\\boxed{\\frac{1}{2}} and again \\boxed{1/2}", "0.5", True),  # two boxes, one value
         ("\\boxed{7} ... \\boxed{7}", "7", True),  # the same answer twice is one answer
-        ("first \\boxed{80} then \\boxed{81}", "80", False),  # hedging between two answers
-        ("first \\boxed{80} then \\boxed{81}", "81", False),
+        ("first \\boxed{80} then \\boxed{81}", "80", False),  # the last box is the answer
+        ("first \\boxed{80} then \\boxed{81}", "81", True),
         ("The answer is 80.", "80", True),  # no box: an explicit final-answer statement counts
         ("So the answer is: 80, as computed", "80", True),
         ("#### 1,080", "1080", True),
@@ -59,6 +59,43 @@ needs_data = pytest.mark.skipif(not (SHARED / "AIME_1983_2024.json").is_file(), 
 )
 def test_check_answer_tricky_formats(text: str, gold: str, expected: bool) -> None:
     assert check_answer(text, gold) is expected
+
+
+# Reasoning that boxes candidates: only the final answer outside the reasoning counts.
+WRONG_THEN_RIGHT = (
+    "<think>Try 6 * 8 = \\boxed{48}? No: the problem says 6 * 7, so \\boxed{42}.</think>\n"
+    "I first boxed \\boxed{48} by mistake; the correct product is 42.\n\nFinal answer: \\boxed{42}"
+)
+RIGHT_THEN_WRONG = (
+    "<think>6 * 7 = \\boxed{42}, but let me add one more for safety.</think>\n"
+    "It looked like \\boxed{42}, but the final answer is \\boxed{43}"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (WRONG_THEN_RIGHT, True),
+        (RIGHT_THEN_WRONG, False),
+        ("<think>the answer is \\boxed{42}</think> The answer is \\boxed{41}", False),  # reasoning never answers
+        ("<think>so it is \\boxed{41}... no, 42</think>The answer is 42.", True),  # a statement outside counts
+        ("<think>\\boxed{42} is it, I am sure", False),  # cut off while reasoning: no answer
+        ("the block opened in the prompt: \\boxed{41}</think> \\boxed{42}", True),
+        ("the block opened in the prompt: \\boxed{42}</think> so \\boxed{41}", False),
+        ("<thinking>\\boxed{41}</thinking> \\boxed{42}", True),  # the other reasoning markers
+        ("a <think>\\boxed{1}</think> b \\boxed{42} c <think>\\boxed{2}</think> d", True),  # several blocks
+    ],
+)
+def test_check_answer_reads_the_final_answer_outside_reasoning(text: str, expected: bool) -> None:
+    assert check_answer(text, "42") is expected
+
+
+def test_without_reasoning_keeps_only_the_reply() -> None:
+    assert without_reasoning("<think>a</think>b<think>c</think>d") == "bd"
+    assert without_reasoning("a</think>b") == "b"
+    assert without_reasoning("a<think>b") == "a"
+    assert extract_answer(WRONG_THEN_RIGHT) == "42"
+    assert extract_answer(RIGHT_THEN_WRONG) == "43"
 
 
 def test_boxed_contents_match_nested_braces() -> None:

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from mappa.cli.trace import trace_command
 from mappa.errors import MappaError
-from mappa.trace import lowest_scored, pick_episode, trace_command
+from mappa.trace import lowest_scored, pick_episode
 from mappa.types import Action, CoachScore, Episode, ExecResult, Message, Task, write_jsonl
 
 TASK = Task(id="t1", problem="What is 17 * 23?", answer="391", source="arithmetic")

@@ -11,8 +11,8 @@ import torch
 
 from mappa.config import Config, load_config
 from mappa.errors import MappaError
-from mappa.train import lr_lambda, select_actions, task_batch, update_group, update_groups
-from mappa.types import Action, CoachScore, Episode, ExecResult, Message, Task
+from mappa.train import update_group, update_groups
+from mappa.types import Action, Message
 
 AGENTS = ("solver", "coder", "verifier")
 
@@ -100,50 +100,44 @@ def test_update_raises_the_probability_of_the_high_scored_action() -> None:
     assert after[0] - before[0] > 0 and after[1] - before[1] < 0
 
 
-def _action(agent: str, score: float | None, **kw) -> Action:
-    coach = CoachScore(score=score) if score is not None or kw.pop("coach", True) else None
-    return Action(
-        agent=agent, turn=0, messages=(), text="x", response_ids=(1, 2), logprobs=(-1.0, -1.0), coach=coach, **kw
+def train_cfg(**train: object) -> Config:
+    return Config().model_copy(update={"train": Config().train.model_copy(update=train)})
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_second_mini_batch_leaves_ratio_one_and_a_large_lr_engages_the_clip(recompute: bool) -> None:
+    """Two mini-batches of 4 actions: two optimizer steps on one rollout batch, both against the rollout-time
+    log-probs. The first step sees the rollout weights (ratio 1, nothing clipped); the second sees weights one
+    step later, so its ratio has moved, and after a large step the clip engages."""
+    cfg = train_cfg(mini_batch_size=4, micro_batch_size=2, recompute_old_logprobs=recompute)
+    actions = sampled_actions(make_policy(), "solver", 8, seed=4)
+    steps: dict[float, list[dict[str, float]]] = {}
+    for lr in (1e-3, 0.3):
+        policy = make_policy()  # the same initial weights for each learning rate
+        opt = torch.optim.AdamW(policy.trainable_parameters("solver"), lr=lr)
+        steps[lr] = []
+        stats = update_group(policy, opt, actions, [10.0, 0.0, 7.0, 2.0] * 2, cfg, seed=1, on_step=steps[lr].append)
+        assert stats["optimizer_steps"] == 2 and len(steps[lr]) == 2
+    small, large = steps[1e-3], steps[0.3]
+    for first in (small[0], large[0]):  # fp32: generation-time log-probs agree with the forward pass to ~1e-7
+        assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and first["clip_frac"] == 0.0
+    assert abs(small[1]["ratio_mean"] - 1.0) > 1e-3 and small[1]["approx_kl"] > 0
+    assert large[1]["clip_frac"] > 0.05 > small[1]["clip_frac"]
+
+
+def test_update_shuffles_into_mini_batches_and_sets_each_steps_lr() -> None:
+    policy = make_policy()
+    actions = sampled_actions(policy, "coder", 5, seed=2)
+    opt = torch.optim.AdamW(policy.trainable_parameters("coder"), lr=1.0)
+    steps: list[dict[str, float]] = []
+    cfg = train_cfg(mini_batch_size=2, epochs=2)
+    stats = update_group(
+        policy, opt, actions, [1.0, 9.0, 5.0, 3.0, 8.0], cfg, lr=lambda f: f * 1e-3, on_step=steps.append
     )
-
-
-def test_select_actions_drops_what_must_not_train() -> None:
-    task = Task(id="t", problem="1+1", answer="2", source="arithmetic")
-    infra = ExecResult(ok=False, infra_error="pool died")
-    ep = Episode(
-        id="e",
-        workflow="mathchat",
-        task=task,
-        actions=(
-            _action("coder", 7.0),
-            _action("coder", None),  # unscored
-            _action("coder", 9.0, truncated=True),
-            _action("coder", 8.0, exec_result=infra),
-            _action("solver", 2.0),  # another agent's action
-            Action(agent="coder", turn=1, messages=(), text="", coach=CoachScore(score=4.0)),  # empty
-        ),
-    )
-    kept, scores, dropped = select_actions([ep], ["coder"], "skip", drop_truncated=True)
-    assert scores == [7.0] and all(a.agent == "coder" for a in kept)
-    assert dropped == {"unscored": 1, "truncated": 1, "infra_error": 1, "empty": 1}
-    _, scores, _ = select_actions([ep], ["coder"], "neutral", drop_truncated=False)
-    assert scores == [7.0, 5.0, 9.0]
-
-
-def test_schedule_warms_up_then_decays_to_the_floor() -> None:
-    values = [lr_lambda(s, 100, 0.03, 0.1) for s in range(100)]
-    assert values[0] < values[1] < values[2] < values[3] == pytest.approx(1.0)
-    assert values[-1] == pytest.approx(0.1)
-    assert all(0.1 - 1e-9 <= v <= 1.0 + 1e-9 for v in values)
-    assert all(a >= b for a, b in zip(values[3:], values[4:], strict=False))
-
-
-def test_task_batches_cover_each_pass_once_and_are_reproducible() -> None:
-    tasks = [Task(id=str(i), problem=str(i), answer=str(i), source="x") for i in range(10)]
-    first_pass = [t.id for c in range(0, 10, 5) for t in task_batch(tasks, c, 5, seed=1)]
-    assert sorted(first_pass) == sorted(t.id for t in tasks)
-    assert [t.id for t in task_batch(tasks, 5, 5, seed=1)] == first_pass[5:]
-    assert [t.id for t in task_batch(tasks, 10, 5, seed=1)] != first_pass[:5]  # next pass reshuffled
+    assert stats["optimizer_steps"] == 6  # ceil(5 / 2) per epoch, two epochs
+    assert [s["lr"] for s in steps] == pytest.approx([(j + 1) / 6 * 1e-3 for j in range(6)])
+    per_epoch = sum(s["tokens"] for s in steps[:3])
+    assert per_epoch == sum(len(a.response_ids) for a in actions) == stats["tokens"]
 
 
 def test_update_groups() -> None:
@@ -186,13 +180,25 @@ def test_train_two_steps_end_to_end(tmp_path: Path) -> None:
     cfg = tiny_cfg(tmp_path)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    train(cfg, run_dir)
+    events = []
+    result = train(cfg, run_dir, emit=events.append)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "time/rollout_s" in r]
     assert [r["step"] for r in steps] == [1, 2]
     losses = [v for r in steps for k, v in r.items() if k.endswith("/loss")]
     assert losses and all(math.isfinite(x) for x in losses)
-    assert sum("eval/accuracy" in r for r in rows) == 2  # start and end
+    for r in steps:  # the update schedule is visible per agent that trained
+        for group in {k.split("/")[1] for k in r if k.endswith("/loss")}:
+            assert r[f"agent/{group}/optimizer_steps"] >= 1
+            assert 0 <= r[f"agent/{group}/clip_frac"] <= 1 and r[f"agent/{group}/ratio_mean"] > 0
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert len(evals) == 2  # start and end
+    assert all(
+        r["eval/arithmetic/accuracy"] == r["eval/accuracy"] and r["eval/arithmetic/episodes"] == 2 for r in evals
+    )
+    assert result.gain is not None and result.gain.paired and result.gain.n_after == 2
+    assert rows[-1]["eval/gain"] == pytest.approx(result.gain.gain)
+    assert [e.kind for e in events].count("step") == 2 and any("self-test ok" in e.text for e in events)
     episodes = (run_dir / "episodes.jsonl").read_text().splitlines()
     assert len(episodes) == 2 * 2 and all('"step":' in e for e in episodes)
     assert any((run_dir / "tensorboard").iterdir())
@@ -200,7 +206,9 @@ def test_train_two_steps_end_to_end(tmp_path: Path) -> None:
     assert (ckpt / "state.json").is_file() and (run_dir / "checkpoints" / "latest").read_text() == "step-000002"
     trained = Policy.from_checkpoint(ckpt / "policy", device="cpu")
     fresh = Policy.from_config(cfg.model, trained.agents, seed=cfg.seed)
-    trained_agents = {k.split("/")[1] for r in steps for k in r if k.endswith("/loss")}
+    # an agent whose actions all scored alike has zero advantages, hence no gradient: it must not move either
+    trained_agents = {k.split("/")[1] for r in steps for k, v in r.items() if k.endswith("/advantage_abs") and v > 0}
+    assert trained_agents
     for agent in trained.agents:
         moved = any(
             not torch.equal(a, b)

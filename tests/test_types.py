@@ -81,8 +81,16 @@ def test_coach_context_round_trip():
         is_final=True,
         messages=(Message(role="user", content="hi"),),
         output="\\boxed{5}",
-        observation="no tool used",
+        exec_result=ExecResult(ok=True, exit_code=0, stdout="5\n"),
+        observation="5",
         files_by_agent={"a": ("x.pkl",)},
         ground_truth="5",
     )
     assert CoachContext.model_validate_json(ctx.model_dump_json()) == ctx
+
+
+def test_no_tool_is_exec_result_none_not_a_sentence():
+    base = dict(task="t", workflow="w", agent="a", role="r", is_final=False, messages=(), output="o")
+    assert CoachContext(**base).exec_result is None and CoachContext(**base).observation == ""
+    with pytest.raises(ValidationError, match="exec_result is None"):
+        CoachContext(**base, observation="no tool used")  # an observation without a tool call is a contradiction

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from mappa.config import GenerationConfig, SandboxConfig, WorkflowConfig
+from mappa.config import GenerationConfig, SandboxConfig, WorkflowConfig, load_config
 from mappa.errors import MappaError
 from mappa.models import tiny_tokenizer
 from mappa.policy import Generation
+from mappa.protocols import Runtime
 from mappa.sandbox import Sandbox
-from mappa.types import CoachContext, CoachScore, Episode, Message, Task
-from mappa.workflows import WORKFLOWS, MathChat, build_workflow
+from mappa.types import CoachContext, CoachScore, Episode, ExecResult, Message, Task
+from mappa.workflows import WORKFLOWS, MathChat, build_workflow, feedback_note
 
 Reply = Callable[[str, Sequence[Message]], str]
 
@@ -26,6 +27,7 @@ class ScriptedPolicy:
         self.tokenizer = tiny_tokenizer()
         self.reply = reply
         self.calls: list[tuple[str | None, int]] = []  # (agent, conversations) per generate call
+        self.seeds: list[int | None] = []  # the sampling seed of each generate call
 
     def chat_ids(self, messages: Sequence[Message]) -> list[int]:
         text = self.tokenizer.apply_chat_template(
@@ -47,6 +49,7 @@ class ScriptedPolicy:
         batch_size: int | None = None,
     ) -> list[Generation]:
         self.calls.append((agent, len(conversations)))
+        self.seeds.append(seed)
         out = []
         for conv in conversations:
             prompt = self.chat_ids(conv)
@@ -106,8 +109,21 @@ def script(
 
 
 def run(policy, tasks, sandbox, **kw) -> list[Episode]:  # type: ignore[no-untyped-def]
-    wf = MathChat(WorkflowConfig(coder_max_turns=kw.pop("coder_max_turns", 2)))
-    return wf.run(policy, tasks, sandbox=sandbox, gen=kw.pop("gen", GEN), progress=False, **kw)
+    settings = WorkflowConfig(
+        coder_max_turns=kw.pop("coder_max_turns", 2), show_coach_feedback=kw.pop("show_coach_feedback", False)
+    )
+    wf = MathChat(settings, kw.pop("gen", GEN), kw.pop("sandbox_cfg", SandboxConfig()))
+    return wf.run(tasks, Runtime(policy, sandbox, scorer=kw.pop("scorer", None)), **kw)
+
+
+class BareSandbox:
+    """Only what a workflow may use of a sandbox (`SandboxLike.run_many`): no `cfg` to reach into."""
+
+    def __init__(self, inner: Sandbox) -> None:
+        self.inner = inner
+
+    def run_many(self, items: Sequence[tuple[str, Path]]) -> list[ExecResult]:
+        return self.inner.run_many(items)
 
 
 def by_agent(ep: Episode, agent: str) -> list:
@@ -239,7 +255,7 @@ def test_scorer_called_once_per_stage_with_ground_truth_only_for_the_verifier(sa
             assert c.workflow == "mathchat" and c.task == "What is 6 * 7?" and c.role
     coder_ctx = scorer.calls[1][0]
     assert "42" in coder_ctx.observation and coder_ctx.messages == by_agent(eps[0], "code_executor")[0].messages
-    assert scorer.calls[2][0].observation == "no tool used"
+    assert scorer.calls[2][0].exec_result is None and scorer.calls[2][0].observation == ""
     assert [a.coach.score for a in eps[0].actions] == [1, 2, 3, 4]
     # off by default: no agent sees coach notes
     assert not any("note-" in m.content for a in eps[0].actions for m in a.messages)
@@ -253,8 +269,44 @@ def test_show_coach_feedback_puts_earlier_notes_in_later_prompts(sandbox: Record
     (v,) = by_agent(ep, "verifier")
     assert "note-code_executor-3" in v.messages[-1].content  # the note on the action it is shown
     assert "note-problem_solver" not in v.messages[-1].content  # nothing about the Solver it never sees
-    with pytest.raises(ValueError, match="needs a scorer"):
-        run(policy, [task()], sandbox, show_coach_feedback=True)
+    # Without a coach (evaluation) there is no note to show: the same prompts as with the switch off.
+    bare = run(policy, [task()], sandbox, show_coach_feedback=True)[0]
+    assert [a.messages for a in bare.actions] == [a.messages for a in run(policy, [task()], sandbox)[0].actions]
+
+
+def test_feedback_note() -> None:
+    assert "7/10" in feedback_note("Code Executor", CoachScore(score=7.0, rationale="ran fine"))
+    assert "unscored" in feedback_note("Code Executor", CoachScore(score=None))
+
+
+def test_agent_and_coach_see_one_observation_setting(sandbox: RecordingSandbox) -> None:
+    policy = ScriptedPolicy(script(coder=[py("print('a' * 5000); print('TAIL-END')"), "done"]))
+    scorer = ScriptedScorer()
+    cfg = SandboxConfig(observation_chars=300)
+    (ep,) = run(policy, [task()], BareSandbox(sandbox), scorer=scorer, sandbox_cfg=cfg)
+    c0, c1 = by_agent(ep, "code_executor")
+    seen_by_agent = c1.messages[-1].content
+    seen_by_coach = scorer.calls[1][0].observation
+    assert len(seen_by_coach) <= 300 and seen_by_coach in seen_by_agent
+    assert seen_by_agent == f"<tool_response>\n{seen_by_coach}\n</tool_response>"
+    assert scorer.calls[1][0].exec_result == c0.exec_result  # the structured result travels with it
+    assert MathChat(gen=GEN, sandbox=cfg).context(ep.task, c0) == scorer.calls[1][0]  # a replay rebuilds it exactly
+
+
+def test_progress_and_stage_seeds(sandbox: RecordingSandbox) -> None:
+    seen: list[tuple[int, int]] = []
+    policy = ScriptedPolicy(script(coder=["no code"]))
+    run(policy, [task(), task(tid="u")], sandbox, seed=7, progress=lambda done, total: seen.append((done, total)))
+    # 2 episodes x 4 possible actions; both Code Executors stop after one turn, so the total shrinks to 6.
+    assert seen[0] == (2, 8) and seen[-1] == (6, 6) and all(d <= t for d, t in seen)
+    first = list(policy.seeds)
+    assert len(set(first)) == len(first) and None not in first  # one fresh seed per stage
+    policy.seeds.clear()
+    run(policy, [task(), task(tid="u")], sandbox, seed=7)
+    assert policy.seeds == first  # the same seed, the same draws
+    policy.seeds.clear()
+    run(policy, [task()], sandbox)
+    assert set(policy.seeds) == {None}  # no seed: the policy's own randomness
 
 
 # ---------------------------------------------------------------------------------------------- context cap
@@ -281,11 +333,15 @@ def test_a_prompt_that_cannot_fit_ends_only_its_own_episode(sandbox: RecordingSa
 
 
 def test_unknown_workflow_is_a_user_error() -> None:
-    with pytest.raises(MappaError, match="unknown workflow 'mathchatt'"):
-        build_workflow(WorkflowConfig(name="mathchatt"))
-    wf = build_workflow(WorkflowConfig(coder_max_turns=3))
+    with pytest.raises(MappaError, match="workflow.name"):
+        load_config(None, ["workflow.name=mathchatt"])
+    cfg = load_config(None, ["workflow.coder_max_turns=3", "sandbox.observation_chars=123"])
+    wf = build_workflow(cfg)
     assert isinstance(wf, MathChat) and set(WORKFLOWS) == {"mathchat"}
     assert wf.agents == ("problem_solver", "code_executor", "verifier") and wf.specs[1].max_turns == 3
+    assert wf.observation_chars == 123 and wf.gen == cfg.generation
+    hot = cfg.generation.model_copy(update={"temperature": 0.6})
+    assert build_workflow(cfg, hot).gen.temperature == 0.6  # evaluation passes its own sampling settings
 
 
 def test_episodes_round_trip_through_jsonl(sandbox: RecordingSandbox, tmp_path: Path) -> None:

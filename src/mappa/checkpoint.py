@@ -1,8 +1,8 @@
-"""Atomic training checkpoints: weights, optimizers, schedulers, RNG states, data cursor, step.
+"""Atomic training checkpoints: weights, optimizers, RNG states, data cursor, step.
 
 Layout of one checkpoint (`RUN_DIR/checkpoints/step-000012/`):
   policy/        Policy.save(): one adapter (or full weights) per agent + tokenizer + manifest
-  trainer.pt     optimizer and scheduler state dicts per update group
+  trainer.pt     optimizer state dicts per update group (the learning rate is a function of the step)
   rng.pt         python, numpy, torch (CPU and CUDA) RNG states
   state.json     {"step": 12, "cursor": 96, ...}: readable without torch
 
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from mappa.errors import MappaError
+from mappa.tracking import RUN_LOGS, drop_lines_after
 
 KEEP_LAST = 2  # older complete checkpoints are deleted; eval and episodes live elsewhere
 
@@ -61,7 +62,6 @@ def save_checkpoint(
     *,
     policy: Any,
     optimizers: dict[str, torch.optim.Optimizer],
-    schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler],
     state: dict[str, Any],
 ) -> Path:
     """Write checkpoint `step` atomically and point `latest` at it; returns its directory."""
@@ -72,13 +72,7 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     policy.save(tmp / "policy")
-    torch.save(
-        {
-            "optimizers": {k: o.state_dict() for k, o in optimizers.items()},
-            "schedulers": {k: s.state_dict() for k, s in schedulers.items()},
-        },
-        tmp / "trainer.pt",
-    )
+    torch.save({"optimizers": {k: o.state_dict() for k, o in optimizers.items()}}, tmp / "trainer.pt")
     torch.save(rng_state(), tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1), encoding="utf-8")
     _fsync_dir(tmp)
@@ -111,9 +105,8 @@ def load_checkpoint(
     *,
     policy: Any,
     optimizers: dict[str, torch.optim.Optimizer],
-    schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler],
 ) -> dict[str, Any]:
-    """Restore weights, optimizer/scheduler states and RNG states in place; returns state.json."""
+    """Restore weights, optimizer states and RNG states in place; returns state.json."""
     directory = Path(directory)
     state_file = directory / "state.json"
     if not state_file.is_file():
@@ -127,7 +120,22 @@ def load_checkpoint(
         )
     for k, opt in optimizers.items():
         opt.load_state_dict(trainer["optimizers"][k])
-    for k, sched in schedulers.items():
-        sched.load_state_dict(trainer["schedulers"][k])
     set_rng_state(torch.load(directory / "rng.pt", map_location="cpu", weights_only=False))
     return json.loads(state_file.read_text(encoding="utf-8"))
+
+
+def restore_run(
+    run_dir: str | Path, *, policy: Any, optimizers: dict[str, torch.optim.Optimizer]
+) -> tuple[Path, dict[str, Any]] | None:
+    """Resume a run in place: load its latest complete checkpoint and forget log lines of later steps (the
+    step a kill interrupted runs again). Without a checkpoint yet, the logs are cleared to start over cleanly.
+    Returns (checkpoint, state.json) or None."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        for name in RUN_LOGS:
+            (Path(run_dir) / name).unlink(missing_ok=True)
+        return None
+    state = load_checkpoint(ckpt, policy=policy, optimizers=optimizers)
+    for name in RUN_LOGS:
+        drop_lines_after(Path(run_dir) / name, state["step"])
+    return ckpt, state

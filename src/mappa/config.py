@@ -54,7 +54,9 @@ class GenerationConfig(Section):
 
 class SandboxConfig(Section):
     timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit per snippet.")
-    memory_mb: int = Field(1024, ge=64, description="Address-space limit per snippet.")
+    memory_mb: int = Field(
+        1024, ge=64, description="Resident-memory limit per snippet (MB, all its processes; a watchdog kills above)."
+    )
     max_processes: int = Field(64, ge=1, description="Process-count limit per snippet (fork bombs).")
     max_file_mb: int = Field(64, ge=1, description="Largest file a snippet may write.")
     max_output_chars: int = Field(8000, ge=100, description="stdout/stderr kept per snippet (rest cut with a marker).")
@@ -65,6 +67,9 @@ class SandboxConfig(Section):
     )
     keep_workspaces: bool = Field(False, description="Keep per-episode workspaces for inspection.")
     observation_chars: int = Field(2000, ge=100, description="Longest tool observation an agent sees.")
+    confinement: Literal["auto", "bwrap", "fallback"] = Field(
+        "auto", description="auto: bubblewrap when it works, else the fallback (warned); bwrap: required; fallback."
+    )
 
 
 class CoachConfig(Section):
@@ -76,13 +81,23 @@ class CoachConfig(Section):
     model: str = Field("", description="Coach model name (openai) or model path/name (local).")
     base_url: str | None = Field(None, description="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1.")
     api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable that holds the API key.")
-    template: str = Field("", description="Prompt template name; empty: the workflow's default.")
+    template: Literal["", "mathchat", "ds_pipeline", "generic"] = Field(
+        "", description="Prompt template name; empty: the workflow's own, else generic."
+    )
     temperature: float = Field(0.0, ge=0.0, description="Coach sampling temperature (0: deterministic).")
     max_tokens: int = Field(512, ge=16, description="Longest coach reply.")
-    concurrency: int = Field(8, ge=1, description="Coach calls in flight at once.")
-    prefix_cache_mib: float = Field(
-        512, ge=0, description="local backend: MiB of prompt KV kept for reuse by later prompts (0: off)."
+    max_context_tokens: int | None = Field(
+        None,
+        ge=64,
+        description="Coach context (prompt + reply) in tokens; evidence over it loses its oldest input messages "
+        "first (never the output). None: the local model's own context; no limit for the openai backend.",
     )
+    tokenizer: str = Field(
+        "",
+        description="Tokenizer that counts coach prompts (a local HF dir or cached hub id); empty: the coach "
+        "model's own when available offline, else UTF-8 bytes (an upper bound on tokens).",
+    )
+    concurrency: int = Field(8, ge=1, description="Coach calls in flight at once.")
     timeout_s: float = Field(60.0, gt=0, description="Per-request timeout.")
     max_retries: int = Field(4, ge=0, description="Retries on 429/5xx/timeouts (exponential backoff with jitter).")
     expected_score: bool = Field(
@@ -98,7 +113,7 @@ class CoachConfig(Section):
 
 
 class WorkflowConfig(Section):
-    name: str = Field("mathchat", description="Workflow name (see mappa.workflows.WORKFLOWS).")
+    name: Literal["mathchat"] = Field("mathchat", description="Workflow name (see mappa.workflows.WORKFLOWS).")
     coder_max_turns: int = Field(2, ge=1, description="MathChat: Code Executor turn cap.")
     show_coach_feedback: bool = Field(
         False, description="Later agents see earlier agents' coach rationales (off in the published code)."
@@ -119,7 +134,7 @@ class TasksConfig(Section):
 
 
 class TrainConfig(Section):
-    steps: int = Field(10, ge=0, description="Optimizer steps (one rollout batch each).")
+    steps: int = Field(10, ge=0, description="Training steps: one rollout batch each, then the agents' updates.")
     prompts_per_step: int = Field(4, ge=1, description="Tasks per step.")
     samples_per_prompt: int = Field(2, ge=1, description="Episodes per task per step.")
     lr: float = Field(1e-6, gt=0, description="Learning rate (peak).")
@@ -132,7 +147,16 @@ class TrainConfig(Section):
     kl_coef: float = Field(0.01, ge=0, description="k1 KL penalty in the token reward (not the loss).")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount within an action.")
     clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip.")
-    micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward.")
+    mini_batch_size: int = Field(
+        16, ge=1, description="Actions per optimizer step, per agent (the paper's train_batch_size 16)."
+    )
+    epochs: int = Field(1, ge=1, description="Passes over each rollout batch (reshuffled into mini-batches).")
+    micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward (gradient accumulation).")
+    recompute_old_logprobs: bool = Field(
+        True,
+        description="PPO's old log-probs from a training forward pass before the first optimizer step "
+        "(generation kernels differ; in bf16 enough to trip the clip); false: the generation-time ones.",
+    )
     drop_truncated: bool = Field(True, description="Leave actions cut off by the token cap out of the loss.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0: only at start and end).")
     checkpoint_every: int = Field(1, ge=1, description="Checkpoint every N steps.")

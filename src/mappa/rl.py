@@ -5,7 +5,11 @@ REINFORCE++ as in OpenRLHF, applied per agent:
             + score                                                 on the last valid token of the action
   return_t  = sum_{k >= t} gamma^(k-t) reward_k                     within one action (no cross-action credit)
   advantage = whiten(return) over every valid token of one agent's batch
-  loss      = PPO clipped surrogate against the rollout-time logprobs, token-level mean
+  loss      = PPO clipped surrogate against the rollout-time logprobs, token-level mean per mini-batch
+
+The update schedule around it: advantages are whitened once over the agent's whole rollout batch, which
+`minibatches` then splits (shuffled, seeded) into optimizer steps; `lr_factor` gives the learning rate of
+each optimizer step from its position in the whole run (warm-up, then cosine to a floor).
 
 Tensors are `[B, T]` (one row per action, response tokens only); `mask` is 1 on valid tokens. Values
 under `mask == 0` are never read, so padding may hold anything (even inf/nan). No config objects, no
@@ -13,6 +17,9 @@ logging, no mutation: importing this module costs nothing beyond torch.
 """
 
 from __future__ import annotations
+
+import math
+import random
 
 import torch
 
@@ -122,3 +129,32 @@ def clipped_pg_loss(
             "tokens": float(valid.sum()),
         }
     return loss, stats
+
+
+def minibatches(n: int, size: int, epochs: int = 1, seed: int = 0) -> list[list[int]]:
+    """Row indices of `n` actions, shuffled (seeded) into optimizer steps of at most `size`, `epochs` passes.
+
+    Each pass is a fresh permutation; its last mini-batch holds the remainder. `n == 0` gives no steps.
+    """
+    rng = random.Random(seed)
+    out = []
+    for _ in range(epochs):
+        order = list(range(n))
+        rng.shuffle(order)
+        out.extend(order[i : i + size] for i in range(0, n, size))
+    return out
+
+
+def lr_factor(progress: float, warmup_ratio: float, min_ratio: float) -> float:
+    """Multiplier of the peak lr at `progress` in [0, 1] of the run (where an optimizer step ends).
+
+    Linear warm-up over the first `warmup_ratio` of the run, then cosine from 1 down to `min_ratio` at the
+    end. Reading the position from the run's progress, not an optimizer-step counter, keeps the curve right
+    when the number of optimizer steps per rollout batch varies (agents act a varying number of times).
+    """
+    progress = min(max(progress, 0.0), 1.0)
+    if progress < warmup_ratio:
+        return progress / warmup_ratio
+    span = 1.0 - warmup_ratio
+    done = (progress - warmup_ratio) / span if span > 0 else 1.0
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * done))

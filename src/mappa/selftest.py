@@ -123,7 +123,6 @@ def check_coach(score_many: Any, workflow_name: str, agent: str) -> str:
         is_final=True,
         messages=messages,
         output="2 + 3 = 5, so the answer is \\boxed{5}.",
-        observation="no tool used",
         ground_truth="5",
     )
     score = score_many([ctx])[0]

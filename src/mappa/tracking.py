@@ -1,22 +1,38 @@
-"""One `log(metrics, step)`: metrics.jsonl always, TensorBoard and W&B when enabled.
+"""The run directory and its files: one `log(metrics, step)` to metrics.jsonl (plus TensorBoard and W&B).
 
-Metric names are namespaced (`agent/code_executor/score_mean`, `coach/unscored_rate`, `eval/accuracy`).
-The JSONL file is the source of truth: reports are rebuilt from it without rerunning anything.
+Metric names are namespaced (`agent/code_executor/clip_frac`, `train/accuracy`, `eval/aime2025/accuracy`,
+`coach/unscored_rate`). The JSONL files are the source of truth: reports are rebuilt from them without
+rerunning anything. `new_run_dir` records what is needed to reproduce a run (resolved config, git commit,
+package versions, command line).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import platform
+import subprocess
+import sys
 import time
+from collections.abc import Sequence
+from datetime import datetime
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from mappa.config import Config, dump_config
+from mappa.errors import MappaError
+from mappa.types import Episode
+
+VERSIONED = ("mappa-rl", "torch", "transformers", "peft", "pydantic", "openai", "math-verify", "numpy")
+RUN_LOGS = ("episodes.jsonl", "metrics.jsonl", "eval/summary.jsonl")  # logs with one row per step (or eval)
 
 
 class Tracker:
-    """Writes one JSON line per `log` call to `run_dir/metrics.jsonl`, plus the optional sinks."""
+    """Writes one JSON line per `log` call to `run_dir/metrics.jsonl`, plus the optional sinks.
+
+    A sink that is asked for but not installed is skipped with a line in `warnings` (the caller shows it).
+    """
 
     def __init__(
         self,
@@ -26,12 +42,11 @@ class Tracker:
         wandb_project: str | None = None,
         run_name: str = "run",
         config: dict[str, Any] | None = None,
-        console: Console | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
-        self.console = console or Console(stderr=True)
+        self.warnings: list[str] = []
         self._tb = None
         self._wandb = None
         if tensorboard:
@@ -39,16 +54,14 @@ class Tracker:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                self.console.print("[yellow]tensorboard not installed: metrics go to metrics.jsonl only[/]")
+                self.warnings.append("tensorboard not installed: metrics go to metrics.jsonl only")
             else:
                 self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
         if wandb_project:
             try:
                 import wandb
             except ImportError:
-                self.console.print(
-                    f"[yellow]logging.wandb_project={wandb_project!r} set but wandb is not installed[/]"
-                )
+                self.warnings.append(f"logging.wandb_project={wandb_project!r} set but wandb is not installed")
             else:
                 self._wandb = wandb.init(project=wandb_project, name=run_name, config=config, dir=str(self.run_dir))
 
@@ -82,3 +95,64 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
         except json.JSONDecodeError:
             continue
     return rows
+
+
+# ---------------------------------------------------------------------------------------------------- run dir
+def _git_commit() -> str:
+    src = Path(__file__).resolve().parent  # the checkout mappa runs from, wherever the run directory is
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False, cwd=src
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], capture_output=True, text=True, timeout=5, check=False, cwd=src
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    commit = out.stdout.strip() or "unknown"
+    return commit + ("-dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else "unknown"
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def new_run_dir(cfg: Config) -> Path:
+    """A fresh run directory with config.yaml and run.json; an existing run there is an error."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.run_dir.format(name=cfg.name, time=stamp))
+    if (run_dir / "checkpoints").exists():
+        raise MappaError(f"run_dir {run_dir} already holds a run; use --resume {run_dir} or another run_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg), encoding="utf-8")
+    meta = {"git_commit": _git_commit(), "versions": _versions(), "argv": sys.argv, "started": stamp}
+    (run_dir / "run.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    return run_dir
+
+
+def drop_lines_after(path: Path, step: int) -> None:
+    """Forget log lines of steps after `step` (the step a kill interrupted runs again after resume)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line
+        if row.get("step", row.get("meta", {}).get("step", 0)) <= step:
+            keep.append(line)
+    path.write_text("".join(k + "\n" for k in keep), encoding="utf-8")
+
+
+def append_episodes(path: Path, episodes: Sequence[Episode], step: int) -> None:
+    """Append episodes as JSON lines, each with `meta["step"]`."""
+    with path.open("a", encoding="utf-8") as f:
+        for ep in episodes:
+            f.write(ep.model_copy(update={"meta": {**ep.meta, "step": step}}).model_dump_json() + "\n")

@@ -1,22 +1,30 @@
 """`mappa train`: REINFORCE++ per agent from per-action coach scores (method.md section 2).
 
-One step, top to bottom:
-  1. sample `prompts_per_step` tasks (a seeded permutation per pass; the cursor is checkpointed) and run
-     `samples_per_prompt` episodes of each in lockstep; the coach scores every action as it lands;
-  2. per update group (one per agent; one for all agents with `model.agent_weights: shared`):
-     keep the group's actions that are scored, not truncated (`train.drop_truncated`) and whose tool
-     call did not hit a sandbox infra_error; unscored actions become score 5 only with
-     `coach.on_unscored: neutral`;
-  3. reference log-probs from the base model (adapters off), old log-probs from generation time;
-     token rewards = -kl_coef * (logp_old - logp_ref) + score/10 on the last token, returns with
-     gamma, advantages whitened over that group's tokens only (`mappa.rl`);
-  4. one PPO-clip epoch in micro-batches with gradient accumulation (token-level mean over the whole
-     group batch), grad-norm clip, AdamW, cosine schedule with linear warm-up and a floor, each group
-     with its own optimizer and learning rate (`train.agent_lr`);
+Read top to bottom: `setup()` builds the run state (or restores it from the last checkpoint), `train_step()`
+is one step, `train()` is the loop. One step:
+  1. draw `prompts_per_step` tasks (`rollout.pick_tasks`: a seeded permutation per pass; the cursor is
+     checkpointed) and play `samples_per_prompt` episodes of each in lockstep, sampling from the seed
+     `seed + step`; the coach scores every action as it lands;
+  2. rewards (`mappa.rewards`): each action's coach score, or with `coach.backend: outcome` the episode's
+     10/0 for every action; per update group (one per agent, or one for all with `model.agent_weights:
+     shared`) keep the actions that are scored, not truncated and whose tool call did not hit an infra_error;
+  3. per group (`update_group`): reference log-probs from the base model (adapters off) and old log-probs
+     from the policy as it was at rollout time, both before the first optimizer step; token rewards
+     -kl_coef * (logp_old - logp_ref) + score/10 on the last token, returns, advantages whitened once over
+     the group's whole batch (`mappa.rl`);
+  4. the batch shuffled (seeded) into mini-batches of `train.mini_batch_size` actions, `train.epochs` passes:
+     one optimizer step per mini-batch (PPO clip against the old log-probs, token mean within the
+     mini-batch, micro-batches of `train.micro_batch_size` with gradient accumulation, grad-norm clip,
+     AdamW); from the second step on the ratio leaves 1 and the clip acts. The learning rate of each step
+     follows warm-up then cosine to a floor over the run's progress (`rl.lr_factor`); each group has its
+     own optimizer and learning rate (`train.agent_lr`);
   5. log metrics, write every episode to episodes.jsonl, checkpoint atomically, evaluate every
-     `eval_every` steps (and always at start and end) with the rule-based answer check.
+     `eval_every` steps (always at start and end) with the rule-based answer check; at the end the gain
+     over the start with its 95% interval.
 
 Where this departs from the paper / published code:
+  - the coach's score is by default its expected score (probability-weighted over the score tokens, when
+    the backend returns log-probs; `coach.expected_score: false` reads the sampled number);
   - scores are divided by 10 for every workflow (the published code skipped it for data science);
   - an action's state is its full multi-turn context, not an earlier fragment;
   - unscored actions are dropped rather than given a first-number-in-text or 5.0 fallback;
@@ -28,60 +36,148 @@ Where this departs from the paper / published code:
 
 from __future__ import annotations
 
-import json
 import math
-import platform
-import random
-import subprocess
-import sys
 import time
-import warnings
-from collections.abc import Sequence
-from datetime import datetime
-from importlib import metadata
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import numpy as np
 import torch
-from rich.console import Console
 
 from mappa import rl
-from mappa.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from mappa.config import Config, dump_config, load_config
+from mappa.checkpoint import restore_run, save_checkpoint
+from mappa.config import Config
 from mappa.errors import MappaError
-from mappa.evaluate import build_workflow, eval_tasks, evaluate, print_eval, write_eval
-from mappa.tracking import Tracker
+from mappa.evaluate import eval_gain, eval_tasks, evaluate, gain_metrics, write_eval
+from mappa.metrics import Gain, episode_metrics
+from mappa.protocols import ProgressFn, Runtime, Workflow
+from mappa.rewards import RewardMode, per_action_scores, reward_mode, select_actions
+from mappa.rollout import pick_tasks, train_tasks
+from mappa.tracking import Tracker, append_episodes
 from mappa.types import Action, Episode, Task
 
-VERSIONED = ("mappa-rl", "torch", "transformers", "peft", "pydantic", "openai", "math-verify", "numpy")
+STEP_STATS = ("loss", "grad_norm", "clip_frac", "ratio_mean", "approx_kl")  # per optimizer step
 
 
-# ---------------------------------------------------------------------------------------------------- helpers
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+@dataclass(frozen=True)
+class Event:
+    """What the run reports as it goes; the CLI turns these into console lines."""
+
+    kind: Literal["status", "note", "eval", "step"]  # status: work starting; note: a line to show
+    step: int
+    text: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
-def lr_lambda(step: int, total: int, warmup_ratio: float, min_ratio: float) -> float:
-    """Multiplier of the peak lr: linear warm-up, then cosine from 1 to `min_ratio` at the last step."""
-    warmup = math.ceil(warmup_ratio * total)
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    progress = min(1.0, (step - warmup) / max(1, total - warmup - 1))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+# ---------------------------------------------------------------------------------------------------- the update
+def _optimizer_step(
+    policy: Any, optimizer: torch.optim.Optimizer, actions: Sequence[Action], idx: Sequence[int],
+    old_logp: torch.Tensor, adv: torch.Tensor, cfg: Config,
+) -> dict[str, float]:  # fmt: skip
+    """One optimizer step on the mini-batch `idx`: micro-batches (sorted by length to pad less), each weighted
+    by its share of the mini-batch's tokens, so the loss is the mini-batch's token mean."""
+    t = cfg.train
+    order = sorted(idx, key=lambda i: len(actions[i].response_ids))
+    micro = [order[i : i + t.micro_batch_size] for i in range(0, len(order), t.micro_batch_size)]
+    total = float(sum(len(actions[i].response_ids) for i in idx))
+    sums = dict.fromkeys(STEP_STATS, 0.0)
+    optimizer.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        for rows in micro:
+            logp, m = policy.forward_logprobs(
+                actions[0].agent, [actions[i].prompt_ids for i in rows], [actions[i].response_ids for i in rows]
+            )
+            sel, width = torch.tensor(rows, device=old_logp.device), m.shape[1]
+            loss, stats = rl.clipped_pg_loss(
+                logp.float(), old_logp[sel, :width], adv[sel, :width], m.float(), t.clip_eps
+            )
+            weight = float(m.sum()) / total
+            (loss * weight).backward()
+            sums["loss"] += float(loss.detach()) * weight
+            for k in ("clip_frac", "ratio_mean", "approx_kl"):
+                sums[k] += stats[k] * weight
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {**sums, "tokens": total, "lr": optimizer.param_groups[0]["lr"]}
 
 
-def task_batch(tasks: Sequence[Task], cursor: int, k: int, seed: int) -> list[Task]:
-    """Tasks `cursor .. cursor+k` of an endless stream of seeded permutations (one per pass)."""
-    out = []
-    for i in range(cursor, cursor + k):
-        epoch, idx = divmod(i, len(tasks))
-        order = list(range(len(tasks)))
-        random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        out.append(tasks[order[idx]])
-    return out
+def update_group(
+    policy: Any, optimizer: torch.optim.Optimizer, actions: Sequence[Action], scores: Sequence[float], cfg: Config,
+    *, seed: int = 0, lr: Callable[[float], float] | None = None,
+    on_step: Callable[[dict[str, float]], None] | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """REINFORCE++ / PPO-clip on one group's rollout batch, in mini-batches; returns the update's metrics.
+
+    The group's agents share their trainable weights (that is what a group is: one optimizer), so the first
+    action's agent stands for all of them in every forward pass.
+
+    `lr(f)`: the learning rate of the optimizer step that ends at fraction `f` of this update (None: leave
+    the optimizer's). `on_step(stats)` after each optimizer step (loss, grad_norm, clip_frac, ratio_mean, ...).
+    """
+    t = cfg.train
+    prompts, responses = [a.prompt_ids for a in actions], [a.response_ids for a in actions]
+    # Both before the first optimizer step: the reference, and the rollout-time policy every ratio is against.
+    ref_logp, mask = policy.sequence_logprobs(None, prompts, responses, micro_batch_size=t.micro_batch_size)
+    mask, ref_logp = mask.float(), ref_logp.float()
+    if t.recompute_old_logprobs:
+        old_logp, _ = policy.sequence_logprobs(
+            actions[0].agent, prompts, responses, micro_batch_size=t.micro_batch_size
+        )
+        old_logp = old_logp.float()
+    else:
+        rows = [torch.tensor(a.logprobs, dtype=torch.float32) for a in actions]
+        old_logp = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(mask.device)
+    score_t = torch.tensor(scores, dtype=torch.float32, device=mask.device) / 10.0  # reward scale: every workflow
+    adv = rl.reinforce_pp_advantages(score_t, old_logp, ref_logp, mask, t.kl_coef, t.gamma)  # whitened once
+    batches = rl.minibatches(len(actions), t.mini_batch_size, t.epochs, seed)
+    steps = []
+    for j, idx in enumerate(batches):
+        if lr is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr((j + 1) / len(batches))
+        steps.append(_optimizer_step(policy, optimizer, actions, idx, old_logp, adv, cfg))
+        if on_step is not None:
+            on_step(steps[-1])
+    tokens = sum(s["tokens"] for s in steps)
+    valid = mask.bool()
+    return {
+        **{k: sum(s[k] * s["tokens"] for s in steps) / max(tokens, 1.0) for k in STEP_STATS},  # token-weighted
+        "optimizer_steps": float(len(steps)),
+        "kl": float((old_logp - ref_logp)[valid].mean()) if valid.any() else 0.0,
+        "advantage_abs": float(adv[valid].abs().mean()) if valid.any() else 0.0,
+        "tokens": float(mask.sum()),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- the run
+@dataclass
+class Run:
+    """Everything a training run holds between steps."""
+
+    cfg: Config
+    run_dir: Path
+    workflow: Workflow
+    groups: dict[str, list[str]]  # update group -> its agents: one per agent, or "shared" for all
+    policy: Any
+    optimizers: dict[str, torch.optim.Optimizer]
+    sandbox: Any
+    coach: Any
+    tracker: Tracker
+    train_set: list[Task]
+    held_out: list[Task]
+    reward: RewardMode
+    emit: Callable[[Event], None]
+    progress: ProgressFn | None = None  # (actions done, total) while episodes play
+    step: int = 0
+    cursor: int = 0  # tasks drawn so far from the training stream
+
+    def close(self) -> None:
+        self.sandbox.close()
+        self.coach.close()
+        self.tracker.close()
 
 
 def update_groups(agents: Sequence[str], agent_weights: str) -> dict[str, list[str]]:
@@ -89,368 +185,163 @@ def update_groups(agents: Sequence[str], agent_weights: str) -> dict[str, list[s
     return {"shared": list(agents)} if agent_weights == "shared" else {a: [a] for a in agents}
 
 
-def select_actions(
-    episodes: Sequence[Episode], agents: Sequence[str], on_unscored: str, drop_truncated: bool
-) -> tuple[list[Action], list[float], dict[str, int]]:
-    """The trainable actions of `agents` and their scores in [0, 10]; counts of what was dropped and why."""
-    kept, scores = [], []
-    dropped = {"unscored": 0, "truncated": 0, "infra_error": 0, "empty": 0}
-    for ep in episodes:
-        for a in ep.actions:
-            if a.agent not in agents:
-                continue
-            score = a.coach.score if a.coach is not None else None
-            if not a.response_ids:
-                dropped["empty"] += 1
-            elif a.exec_result is not None and a.exec_result.infra_error:
-                dropped["infra_error"] += 1
-            elif drop_truncated and a.truncated:
-                dropped["truncated"] += 1
-            elif score is None and on_unscored == "skip":
-                dropped["unscored"] += 1
-            else:
-                kept.append(a)
-                scores.append(5.0 if score is None else score)
-    return kept, scores, dropped
-
-
-def _pad(rows: Sequence[Sequence[float]], width: int, device: torch.device) -> torch.Tensor:
-    out = torch.zeros(len(rows), width, dtype=torch.float32, device=device)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r[:width], dtype=torch.float32)
-    return out
-
-
-def update_group(
-    policy: Any, optimizer: torch.optim.Optimizer, actions: Sequence[Action], scores: Sequence[float], cfg: Config
-) -> dict[str, float]:
-    """One REINFORCE++ / PPO-clip epoch on one group's actions; returns its metrics."""
-    t = cfg.train
-    prompts = [a.prompt_ids for a in actions]
-    responses = [a.response_ids for a in actions]
-    ref_logp, mask = policy.sequence_logprobs(None, prompts, responses, micro_batch_size=t.micro_batch_size)
-    mask = mask.float()
-    old_logp = _pad([a.logprobs for a in actions], mask.shape[1], mask.device)
-    ref_logp = ref_logp.float().to(mask.device)
-    score_t = torch.tensor(scores, dtype=torch.float32, device=mask.device) / 10.0  # reward scale: every workflow
-    adv = rl.reinforce_pp_advantages(score_t, old_logp, ref_logp, mask, t.kl_coef, t.gamma)
-    total_tokens = float(mask.sum())
-    optimizer.zero_grad(set_to_none=True)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    loss_sum, stats_sum = 0.0, {"clip_frac": 0.0, "approx_kl": 0.0, "ratio_mean": 0.0}
-    # Micro-batches hold one agent each (forward_logprobs runs one agent) and are sorted by length to pad less.
-    order = sorted(range(len(actions)), key=lambda i: (actions[i].agent, len(responses[i])))
-    batches, current = [], []
-    for i in order:
-        if current and (len(current) == t.micro_batch_size or actions[current[0]].agent != actions[i].agent):
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    with torch.enable_grad():
-        for idx in batches:
-            logp, m = policy.forward_logprobs(
-                actions[idx[0]].agent, [prompts[i] for i in idx], [responses[i] for i in idx]
-            )
-            width = m.shape[1]
-            sel = torch.tensor(idx, device=mask.device)
-            loss, stats = rl.clipped_pg_loss(
-                logp.float(), old_logp[sel, :width], adv[sel, :width], m.float(), t.clip_eps
-            )
-            weight = float(m.sum()) / total_tokens  # accumulate to the token mean of the whole group batch
-            (loss * weight).backward()
-            loss_sum += float(loss.detach()) * weight
-            for k in stats_sum:
-                stats_sum[k] += stats[k] * weight
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    valid = mask.bool()
-    return {
-        "loss": loss_sum,
-        "grad_norm": grad_norm,
-        "kl": float((old_logp - ref_logp)[valid].mean()),
-        "advantage_abs": float(adv[valid].abs().mean()),
-        "tokens": total_tokens,
-        **stats_sum,
-    }
-
-
-# ---------------------------------------------------------------------------------------------------- run dir
-def _git_commit() -> str:
-    src = Path(__file__).resolve().parent  # the checkout mappa runs from, wherever the run directory is
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False, cwd=src
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain"], capture_output=True, text=True, timeout=5, check=False, cwd=src
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    commit = out.stdout.strip() or "unknown"
-    return commit + ("-dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else "unknown"
-
-
-def _versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for name in VERSIONED:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
-
-
-def new_run_dir(cfg: Config) -> Path:
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(cfg.run_dir.format(name=cfg.name, time=stamp))
-    if (run_dir / "checkpoints").exists():
-        raise MappaError(f"run_dir {run_dir} already holds a run; use --resume {run_dir} or another run_dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg), encoding="utf-8")
-    meta = {"git_commit": _git_commit(), "versions": _versions(), "argv": sys.argv, "started": stamp}
-    (run_dir / "run.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
-    return run_dir
-
-
-def _drop_lines_after(path: Path, step: int) -> None:
-    """Forget log lines of steps after the checkpoint (the step a kill interrupted runs again)."""
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line
-        row_step = row.get("step", row.get("meta", {}).get("step", 0))
-        if row_step <= step:
-            keep.append(line)
-    path.write_text("".join(k + "\n" for k in keep), encoding="utf-8")
-
-
-def _log_episodes(path: Path, episodes: Sequence[Episode], step: int) -> None:
-    with path.open("a", encoding="utf-8") as f:
-        for ep in episodes:
-            f.write(ep.model_copy(update={"meta": {**ep.meta, "step": step}}).model_dump_json() + "\n")
-
-
-def _rollout_metrics(episodes: Sequence[Episode], agents: Sequence[str]) -> dict[str, float]:
-    out: dict[str, float] = {"train/accuracy": sum(bool(e.correct) for e in episodes) / max(len(episodes), 1)}
-    actions = [a for e in episodes for a in e.actions]
-    runs = [a.exec_result for a in actions if a.exec_result is not None]
-    out["sandbox/runs"] = float(len(runs))
-    out["sandbox/timeout_rate"] = sum(r.timed_out for r in runs) / max(len(runs), 1)
-    out["sandbox/error_rate"] = sum(not r.ok for r in runs) / max(len(runs), 1)
-    out["coach/unscored_rate"] = sum(a.coach is None or a.coach.score is None for a in actions) / max(len(actions), 1)
-    for agent in agents:
-        mine = [a for a in actions if a.agent == agent]
-        scored = [a.coach.score for a in mine if a.coach is not None and a.coach.score is not None]
-        n = max(len(mine), 1)
-        out[f"agent/{agent}/actions"] = float(len(mine))
-        out[f"agent/{agent}/score_mean"] = sum(scored) / len(scored) if scored else float("nan")
-        out[f"agent/{agent}/response_tokens"] = sum(len(a.response_ids) for a in mine) / n
-        out[f"agent/{agent}/truncation_rate"] = sum(a.truncated for a in mine) / n
-        out[f"agent/{agent}/tool_use_rate"] = sum(a.exec_result is not None for a in mine) / n
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------- the loop
-def train(cfg: Config, run_dir: Path, *, resume: bool = False, console: Console | None = None) -> dict[str, float]:
-    """Train per the module docstring; returns the last logged metrics (final eval included)."""
+def setup(
+    cfg: Config, run_dir: Path, *, resume: bool = False, emit: Callable[[Event], None] | None = None,
+    progress: ProgressFn | None = None,
+) -> Run:  # fmt: skip
+    """Build the run: tasks, agents, optimizers, sandbox, coach, logs; restore the last checkpoint on resume."""
     from mappa.coach import build_coach
     from mappa.policy import Policy
-    from mappa.rollout import run_episodes
     from mappa.sandbox import Sandbox
-    from mappa.selftest import run_self_test
-    from mappa.tasks import load_tasks
+    from mappa.workflows import build_workflow
 
-    console = console or Console(stderr=True)
-    t = cfg.train
-    seed_everything(cfg.seed)
+    emit = emit or (lambda event: None)
+    torch.manual_seed(cfg.seed)  # LoRA dropout, if on; sampling is seeded per rollout, init by the policy
     workflow = build_workflow(cfg)
-    agents = tuple(workflow.agents)
-    groups = update_groups(agents, cfg.model.agent_weights)
-    unknown = set(t.agent_lr) - set(groups)
-    if unknown:
+    groups = update_groups(workflow.agents, cfg.model.agent_weights)
+    if unknown := set(cfg.train.agent_lr) - set(groups):
         raise MappaError(f"train.agent_lr: unknown agent(s) {sorted(unknown)} (agents: {', '.join(groups)})")
-    train_set = load_tasks(cfg.tasks.train, cfg.tasks, "train", cfg.seed)
-    if not train_set:
-        raise MappaError(f"tasks.train: no training tasks from {cfg.tasks.train}")
-    held_out = eval_tasks(cfg)
-    with console.status(f"loading {cfg.model.name} ({len(agents)} agents, {cfg.model.agent_weights})..."):
-        policy = Policy.from_config(cfg.model, agents, seed=cfg.seed, generation_batch_size=cfg.generation.batch_size)
+    train_set, held_out = train_tasks(cfg), eval_tasks(cfg)
+    emit(Event("status", 0, f"loading {cfg.model.name} ({len(workflow.agents)} agents, {cfg.model.agent_weights})"))
+    policy = Policy.from_config(
+        cfg.model, workflow.agents, seed=cfg.seed, generation_batch_size=cfg.generation.batch_size
+    )
+    t = cfg.train
     optimizers = {
         g: torch.optim.AdamW(
             policy.trainable_parameters(members[0]),
             lr=t.agent_lr.get(g, t.lr),
             betas=tuple(t.adam_betas),
             weight_decay=t.weight_decay,
-        )
+        )  # fmt: skip
         for g, members in groups.items()
     }
-    schedulers = {
-        g: torch.optim.lr_scheduler.LambdaLR(
-            o, lambda s: lr_lambda(s, max(t.steps, 1), t.warmup_ratio, t.min_lr_ratio)
-        )
-        for g, o in optimizers.items()
-    }
-    sandbox = Sandbox(cfg.sandbox)
-    coach = build_coach(cfg.coach, cfg.workflow.name, policy=policy)
     tracker = Tracker(
-        run_dir,
-        tensorboard=cfg.logging.tensorboard,
-        wandb_project=cfg.logging.wandb_project,
-        run_name=run_dir.name,
-        config=cfg.model_dump(mode="json"),
-        console=console,
-    )
-    episodes_path = run_dir / "episodes.jsonl"
-    step, cursor = 0, 0
-    last: dict[str, float] = {}
+        run_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,
+        run_name=run_dir.name, config=cfg.model_dump(mode="json"),
+    )  # fmt: skip
+    for warning in tracker.warnings:
+        emit(Event("note", 0, warning))
+    coach = build_coach(cfg.coach, cfg.workflow.name, policy=policy)
+    sandbox = Sandbox(cfg.sandbox)
+    run = Run(
+        cfg, run_dir, workflow, groups, policy, optimizers, sandbox, coach, tracker, train_set, held_out,
+        reward_mode(cfg.coach.backend), emit, progress,
+    )  # fmt: skip
     try:
-        if resume and (ckpt := latest_checkpoint(run_dir)) is not None:
-            state = load_checkpoint(ckpt, policy=policy, optimizers=optimizers, schedulers=schedulers)
-            step, cursor = state["step"], state["cursor"]
-            for name in ("episodes.jsonl", "metrics.jsonl", "eval/summary.jsonl"):
-                _drop_lines_after(run_dir / name, step)
-            console.print(f"resumed from {ckpt} at step {step}")
-        elif resume:  # killed before the first checkpoint: start over cleanly
-            for name in ("episodes.jsonl", "metrics.jsonl", "eval/summary.jsonl"):
-                (run_dir / name).unlink(missing_ok=True)
-        if step == 0 and t.self_test:
-            # Uses its own generator seeds, then the global RNG is re-seeded so a run without it samples the same.
-            for line in run_self_test(policy, agents, sandbox, coach.score_many, cfg.workflow.name):
-                console.print(f"[green]self-test ok[/] {line}")
-            seed_everything(cfg.seed)
-        if step == 0:
-            last = _eval(cfg, workflow, policy, sandbox, held_out, run_dir, tracker, console, step=0, tag="start")
-        console.print(f"{'step':>5} {'acc':>5} " + " ".join(f"{a[:12]:>12}" for a in agents) + "  loss/kl  s")
-        while step < t.steps:
-            t0 = time.perf_counter()
-            batch = task_batch(train_set, cursor, t.prompts_per_step, cfg.seed)
-            batch = [task for task in batch for _ in range(t.samples_per_prompt)]
-            episodes = run_episodes(
-                workflow,
-                policy,
-                batch,
-                sandbox=sandbox,
-                gen=cfg.generation,
-                scorer=coach.score_many,
-                show_coach_feedback=cfg.workflow.show_coach_feedback,
-            )
-            episodes = coach.finish_episodes(episodes)  # outcome-only: every action gets the episode's 10/0
-            t_rollout = time.perf_counter() - t0
-            metrics = _rollout_metrics(episodes, agents)
-            rollout_tokens = sum(len(a.response_ids) for e in episodes for a in e.actions)
-            update_tokens = 0.0
-            for g, members in groups.items():
-                actions, scores, dropped = select_actions(episodes, members, cfg.coach.on_unscored, t.drop_truncated)
-                for why, n in dropped.items():
-                    metrics[f"agent/{g}/dropped_{why}"] = float(n)
-                metrics[f"agent/{g}/lr"] = optimizers[g].param_groups[0]["lr"]
-                if actions:
-                    with console.status(f"step {step + 1}: updating {g} on {len(actions)} actions"):
-                        stats = update_group(policy, optimizers[g], actions, scores, cfg)
-                    update_tokens += stats["tokens"]
-                    metrics.update({f"agent/{g}/{k}": v for k, v in stats.items()})
-                # The schedule follows the global step, also when this group had nothing to train on; torch
-                # warns about a scheduler step before any optimizer step, which is exactly what is meant here.
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)`")
-                    schedulers[g].step()
-            step += 1
-            cursor += t.prompts_per_step
-            t_total = time.perf_counter() - t0
-            metrics.update(
-                {
-                    "time/rollout_s": t_rollout,
-                    "time/update_s": t_total - t_rollout,
-                    "time/rollout_tokens_per_s": rollout_tokens / max(t_rollout, 1e-9),
-                    "time/update_tokens_per_s": update_tokens / max(t_total - t_rollout, 1e-9),
-                    **{f"coach/{k}": float(v) for k, v in coach.stats().items()},
-                }
-            )
-            _log_episodes(episodes_path, episodes, step)
-            tracker.log(metrics, step)
-            last = metrics
-            cells = " ".join(f"{metrics.get(f'agent/{a}/score_mean', float('nan')):>12.2f}" for a in agents)
-            losses = [metrics.get(f"agent/{g}/loss") for g in groups]
-            kls = [metrics.get(f"agent/{g}/kl") for g in groups]
-            loss_txt = f"{np.nanmean([x for x in losses if x is not None] or [np.nan]):+.3f}"
-            kl_txt = f"{np.nanmean([x for x in kls if x is not None] or [np.nan]):.3f}"
-            console.print(
-                f"{step:>5} {metrics['train/accuracy']:>5.0%} {cells}  {loss_txt}/{kl_txt} {t_total:.0f}",
-                highlight=False,
-            )
-            if step % t.checkpoint_every == 0 or step == t.steps:
-                save_checkpoint(
-                    run_dir,
-                    step,
-                    policy=policy,
-                    optimizers=optimizers,
-                    schedulers=schedulers,
-                    state={"cursor": cursor},
-                )
-            if t.eval_every and step % t.eval_every == 0 and step != t.steps:
-                _eval(
-                    cfg,
-                    workflow,
-                    policy,
-                    sandbox,
-                    held_out,
-                    run_dir,
-                    tracker,
-                    console,
-                    step=step,
-                    tag=f"step-{step:06d}",
-                )
-        last = _eval(cfg, workflow, policy, sandbox, held_out, run_dir, tracker, console, step=step, tag="final")
-    finally:
-        sandbox.close()
-        coach.close()
-        tracker.close()
-    _print_before_after(run_dir, console)
-    return last
+        restored = restore_run(run_dir, policy=policy, optimizers=optimizers) if resume else None
+    except BaseException:
+        run.close()
+        raise
+    if restored is not None:
+        ckpt, state = restored
+        run.step, run.cursor = state["step"], state["cursor"]
+        emit(Event("note", run.step, f"resumed from {ckpt} at step {run.step}"))
+    return run
 
 
-def _eval(
-    cfg, workflow, policy, sandbox, tasks, run_dir, tracker, console, *, step: int, tag: str
-) -> dict[str, float]:
-    console.print(f"evaluating ({tag}): {len(tasks)} held-out tasks x {cfg.eval.samples} at T={cfg.eval.temperature}")
-    metrics, episodes = evaluate(cfg, workflow, policy, sandbox, tasks)
-    write_eval(run_dir / "eval", tag, {"step": step, **metrics}, episodes)
-    tracker.log(metrics, step)
-    print_eval(console, f"eval {tag} (step {step})", metrics, workflow.agents)
+def _train_group(run: Run, group: str, episodes: list[Episode], scores: list[list[float | None]]) -> dict[str, float]:
+    """Select the group's actions and update its weights; returns its `agent/<group>/...` metrics."""
+    t = run.cfg.train
+    actions, kept, dropped = select_actions(
+        episodes, scores, run.groups[group], run.cfg.coach.on_unscored, t.drop_truncated
+    )
+    out = {f"dropped_{why}": float(n) for why, n in dropped.items()}
+    out.update(actions_trained=float(len(actions)), optimizer_steps=0.0)
+    peak, step = t.agent_lr.get(group, t.lr), run.step
+
+    def lr(fraction: float) -> float:  # where this optimizer step ends in the whole run
+        return peak * rl.lr_factor((step + fraction) / max(t.steps, 1), t.warmup_ratio, t.min_lr_ratio)
+
+    if actions:
+        run.emit(Event("status", step + 1, f"step {step + 1}: updating {group} on {len(actions)} actions"))
+        seed = run.cfg.seed * 1_000_003 + step * 101 + list(run.groups).index(group)
+        out.update(update_group(run.policy, run.optimizers[group], actions, kept, run.cfg, seed=seed, lr=lr))
+        out["reward_mean"] = sum(kept) / len(kept)
+    out["lr"] = run.optimizers[group].param_groups[0]["lr"]
+    return {f"agent/{group}/{k}": v for k, v in out.items()}
+
+
+def train_step(run: Run) -> dict[str, float]:
+    """One step: rollouts -> rewards -> per-group updates -> log and checkpoint; returns the step's metrics."""
+    cfg, t = run.cfg, run.cfg.train
+    t0 = time.perf_counter()
+    run.emit(Event("status", run.step + 1, f"step {run.step + 1}: rollouts"))
+    tasks = pick_tasks(run.train_set, t.prompts_per_step, cfg.seed, start=run.cursor)
+    episodes = run.workflow.run(
+        [task for task in tasks for _ in range(t.samples_per_prompt)], Runtime(run.policy, run.sandbox, run.coach),
+        seed=cfg.seed + run.step + 1, progress=run.progress,
+    )  # fmt: skip
+    t_rollout = time.perf_counter() - t0
+    metrics = episode_metrics(episodes, run.workflow.agents, "train")
+    scores = per_action_scores(episodes, run.reward)
+    for group in run.groups:
+        metrics.update(_train_group(run, group, episodes, scores))
+    run.step += 1
+    run.cursor += t.prompts_per_step
+    t_total = time.perf_counter() - t0
+    rollout_tokens = sum(len(a.response_ids) for e in episodes for a in e.actions)
+    update_tokens = sum(v for k, v in metrics.items() if k.startswith("agent/") and k.endswith("/tokens"))
+    metrics.update(
+        {
+            "time/rollout_s": t_rollout,
+            "time/update_s": t_total - t_rollout,
+            "time/rollout_tokens_per_s": rollout_tokens / max(t_rollout, 1e-9),
+            "time/update_tokens_per_s": update_tokens / max(t_total - t_rollout, 1e-9),
+            **{f"coach/{k}": float(v) for k, v in run.coach.stats().items()},
+        }
+    )
+    append_episodes(run.run_dir / "episodes.jsonl", episodes, run.step)
+    run.tracker.log(metrics, run.step)
+    if run.step % t.checkpoint_every == 0 or run.step == t.steps:
+        state = {"cursor": run.cursor}
+        save_checkpoint(run.run_dir, run.step, policy=run.policy, optimizers=run.optimizers, state=state)
     return metrics
 
 
-def _print_before_after(run_dir: Path, console: Console) -> None:
-    path = run_dir / "eval" / "summary.jsonl"
-    rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()] if path.is_file() else []
-    start = next((r for r in rows if r["tag"] == "start"), None)
-    final = next((r for r in reversed(rows) if r["tag"] == "final"), None)
-    if start and final:
-        console.print(
-            f"[bold]held-out accuracy: {start['eval/accuracy']:.1%} (step 0) -> {final['eval/accuracy']:.1%} "
-            f"(step {final['step']:.0f})[/]  run: {run_dir}"
-        )
+def run_eval(run: Run, tag: str) -> dict[str, float]:
+    """Evaluate on the held-out tasks; written to eval/<tag>.jsonl and eval/summary.jsonl, and logged."""
+    cfg = run.cfg
+    what = f"{len(run.held_out)} held-out tasks x {cfg.eval.samples} at T={cfg.eval.temperature}"
+    run.emit(Event("status", run.step, f"evaluating ({tag}): {what}"))
+    metrics, episodes = evaluate(cfg, run.policy, run.sandbox, run.held_out, progress=run.progress)
+    write_eval(run.run_dir / "eval", tag, {"step": run.step, **metrics}, episodes)
+    run.tracker.log(metrics, run.step)
+    run.emit(Event("eval", run.step, tag, metrics))
+    return metrics
 
 
-def train_command(cfg: Config | None, resume: str | None, overrides: list[str]) -> int:
-    """`mappa train CONFIG [--set k=v]` or `mappa train --resume RUN_DIR [--set k=v]`."""
-    if resume is not None:
-        run_dir = Path(resume)
-        if not (run_dir / "config.yaml").is_file():
-            raise MappaError(f"--resume {run_dir}: not a run directory (config.yaml missing)")
-        if cfg is None:  # the run's own config; --set may still extend it (e.g. train.steps=20)
-            cfg = load_config(run_dir / "config.yaml", overrides)
-        (run_dir / "config.yaml").write_text(dump_config(cfg), encoding="utf-8")
-        train(cfg, run_dir, resume=True)
-        return 0
-    if cfg is None:
-        raise MappaError("mappa train: give a CONFIG file or --resume RUN_DIR")
-    train(cfg, new_run_dir(cfg))
-    return 0
+@dataclass(frozen=True)
+class TrainResult:
+    run_dir: Path
+    step: int
+    final: dict[str, float]  # the final evaluation's metrics
+    gain: Gain | None  # final eval vs the start eval (None when the start eval is missing)
+
+
+def train(
+    cfg: Config, run_dir: Path, *, resume: bool = False, emit: Callable[[Event], None] | None = None,
+    progress: ProgressFn | None = None,
+) -> TrainResult:  # fmt: skip
+    """Train per the module docstring: self-test, start eval, `train.steps` steps, final eval and gain."""
+    from mappa.selftest import run_self_test
+
+    run = setup(cfg, run_dir, resume=resume, emit=emit, progress=progress)
+    try:
+        if run.step == 0:
+            if cfg.train.self_test:
+                agents = run.workflow.agents
+                for line in run_self_test(run.policy, agents, run.sandbox, run.coach.score_many, cfg.workflow.name):
+                    run.emit(Event("note", 0, f"self-test ok: {line}"))
+            run_eval(run, "start")
+        while run.step < cfg.train.steps:
+            run.emit(Event("step", run.step + 1, metrics=train_step(run)))
+            if cfg.train.eval_every and run.step % cfg.train.eval_every == 0 and run.step != cfg.train.steps:
+                run_eval(run, f"step-{run.step:06d}")
+        final = run_eval(run, "final")
+        gain = eval_gain(run_dir / "eval")
+        if gain is not None and math.isfinite(gain.gain):
+            run.tracker.log(gain_metrics(gain), run.step)
+    finally:
+        run.close()
+    return TrainResult(run_dir, run.step, final, gain)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from mappa.errors import MappaError
 
@@ -65,6 +65,9 @@ class CoachScore(Record):
     backend: str = ""
     model: str = ""
     cached: bool = False
+    # Input messages left out of the coach's prompt (wholly or in part) to fit `coach.max_context_tokens`;
+    # 0: the coach saw the agent's exact input. The output is never cut.
+    truncated_inputs: int = 0
 
 
 class CoachContext(Record):
@@ -81,11 +84,18 @@ class CoachContext(Record):
     is_final: bool  # the last agent of the workflow
     messages: tuple[Message, ...]  # the agent's exact input
     output: str  # its raw output
-    observation: str  # tool stdout+stderr (<= 2000 chars) or "no tool used"
+    exec_result: ExecResult | None = None  # its tool call; None: the action ran no tool
+    observation: str = ""  # the tool output as the agent saw it (sandbox.observation_chars); "" without a tool
     files_visible: tuple[str, ...] = ()  # file-passing workflows: files the agent could see
     files_by_agent: dict[str, tuple[str, ...]] = Field(default_factory=dict)  # files each earlier agent saved
     ground_truth: str | None = None  # only for the final agent
     extra: dict[str, Any] = Field(default_factory=dict)  # workflow-specific evidence (e.g. test metrics)
+
+    @model_validator(mode="after")
+    def _observation_needs_a_tool(self) -> CoachContext:
+        if self.exec_result is None and self.observation:
+            raise ValueError("observation given but exec_result is None: an observation comes from a tool call")
+        return self
 
 
 class Action(Record):

@@ -1,9 +1,10 @@
 """The coach: a 0-10 score with a rationale for every action (method.md section 3).
 
-A coach is a small async protocol (`score(context) -> CoachScore`); the backends live in one
-explicit dict, `COACHES`. `build_coach` wraps the chosen backend in a `CoachRunner`, which adds what
-every backend needs alike: a concurrency limit, the SQLite judgment cache, and accounting (calls,
-cache hits, retries, failures, unscored, latency, tokens, cost).
+A coach is a small async protocol (`mappa.protocols.Coach`: `score(context) -> CoachScore`); the
+backends live in one explicit dict, `COACHES`. `build_coach` wraps the chosen backend in a
+`CoachRunner`, which adds what every backend needs alike: a concurrency limit, the SQLite judgment
+cache, and accounting (calls, cache hits, retries, failures, unscored, truncated contexts, latency,
+tokens, cost).
 
 Unscored is a first-class outcome: when a reply has no score line after one follow-up, or the
 endpoint fails after its retries, `CoachScore.score` is None. Nothing invents a 5.0; the trainer
@@ -15,51 +16,30 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mappa.coach.cache import JudgmentCache, cache_key, context_hash
 from mappa.coach.judge import REQUEST_FAILED
 from mappa.coach.parse import expected_score, parse_answer_correct, parse_score
 from mappa.coach.prompts import TEMPLATES, Template, build_messages, template_for
 from mappa.config import CoachConfig
-from mappa.types import CoachContext, CoachScore, Episode
+from mappa.protocols import CallCounters, Coach, ProgressFn
+from mappa.types import CoachContext, CoachScore
+
+if TYPE_CHECKING:
+    from mappa.policy import Policy
 
 __all__ = [
     "COACHES",
     "TEMPLATES",
-    "CallCounters",
-    "Coach",
     "CoachRunner",
     "build_coach",
     "build_messages",
     "expected_score",
-    "feedback_note",
     "parse_answer_correct",
     "parse_score",
     "training_score",
 ]
-
-
-@dataclass
-class CallCounters:
-    """Per-backend counters the runner cannot see from the outside (one coach call may be several requests)."""
-
-    calls: int = 0  # requests sent to the endpoint / model, follow-ups and retries included
-    retries: int = 0  # requests repeated after a 429, 5xx, timeout or connection error
-    failures: int = 0  # judgments abandoned after the last retry (or an unusable response)
-
-
-class Coach(Protocol):
-    name: str  # backend name; part of the cache key
-    model: str  # coach model; part of the cache key
-    version: str  # template or rules version; part of the cache key
-    cacheable: bool  # worth caching (costs calls); the free rule-based coaches are not
-    counters: CallCounters
-
-    async def score(self, ctx: CoachContext) -> CoachScore: ...
-
-    async def aclose(self) -> None: ...
 
 
 def training_score(score: CoachScore | None, on_unscored: str = "skip") -> float | None:
@@ -70,13 +50,6 @@ def training_score(score: CoachScore | None, on_unscored: str = "skip") -> float
     if score is not None and score.score is not None:
         return score.score
     return 5.0 if on_unscored == "neutral" else None
-
-
-def feedback_note(agent: str, score: CoachScore) -> str:
-    """The text later agents see when `workflow.show_coach_feedback` is on."""
-    if score.score is None:
-        return f"Coach feedback on {agent}: unscored."
-    return f"Coach feedback on {agent} ({score.score:g}/10): {score.rationale}"
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -114,6 +87,7 @@ class CoachRunner:
         self._judgments = 0
         self._cache_hits = 0
         self._unscored = 0
+        self._truncated = 0  # judgments whose prompt left out part of the agent's input
         self._latencies: list[float] = []
         self._prompt_tokens = 0
         self._completion_tokens = 0
@@ -134,6 +108,7 @@ class CoachRunner:
             "failures": float(c.failures - self._base.failures),
             "unscored": float(self._unscored),
             "unscored_rate": self._unscored / self._judgments if self._judgments else 0.0,
+            "truncated_contexts": float(self._truncated),
             "latency_p50_s": _percentile(self._latencies, 0.5),
             "latency_p95_s": _percentile(self._latencies, 0.95),
             "prompt_tokens": float(self._prompt_tokens),
@@ -145,14 +120,20 @@ class CoachRunner:
     def _key(self, ctx: CoachContext) -> tuple[str, str]:
         h = context_hash(ctx)
         # The variant keeps judgments made with different decoding settings apart.
-        variant = f"t={self.cfg.temperature:g};es={int(self.cfg.expected_score)};mt={self.cfg.max_tokens}"
+        cfg = self.cfg
+        variant = f"t={cfg.temperature:g};es={int(cfg.expected_score)};mt={cfg.max_tokens}"
+        if cfg.max_context_tokens is not None:  # a budget changes what the coach is shown
+            variant += f";ctx={cfg.max_context_tokens};tok={cfg.tokenizer}"
         return cache_key(self.coach.name, self.coach.model, f"{self.coach.version};{variant}", h), h
 
-    def _count_hit(self, hit: CoachScore) -> CoachScore:
+    def _count(self, result: CoachScore) -> None:
         self._judgments += 1
+        self._unscored += result.score is None
+        self._truncated += result.truncated_inputs > 0
+
+    def _count_hit(self, hit: CoachScore) -> CoachScore:
+        self._count(hit)
         self._cache_hits += 1
-        if hit.score is None:
-            self._unscored += 1
         return hit.model_copy(update={"cached": True})
 
     async def score_one(self, ctx: CoachContext) -> CoachScore:
@@ -185,12 +166,10 @@ class CoachRunner:
             self._sem = asyncio.Semaphore(self.cfg.concurrency)
         async with self._sem:
             result = await self.coach.score(ctx)
-        self._judgments += 1
+        self._count(result)
         self._latencies.append(result.latency_s)
         self._prompt_tokens += result.prompt_tokens
         self._completion_tokens += result.completion_tokens
-        if result.score is None:
-            self._unscored += 1
         failed = result.error is not None and result.error.startswith(REQUEST_FAILED)
         if self.cache is not None and not failed:
             self.cache.put(
@@ -200,12 +179,16 @@ class CoachRunner:
         return result
 
     async def score_many_async(
-        self, contexts: Sequence[CoachContext], on_done: Callable[[], None] | None = None
+        self, contexts: Sequence[CoachContext], progress: ProgressFn | None = None
     ) -> list[CoachScore]:
+        done = 0
+
         async def one(ctx: CoachContext) -> CoachScore:
+            nonlocal done
             r = await self.score_one(ctx)
-            if on_done is not None:
-                on_done()
+            done += 1
+            if progress is not None:
+                progress(done, len(contexts))
             return r
 
         return list(await asyncio.gather(*(one(c) for c in contexts)))
@@ -217,41 +200,14 @@ class CoachRunner:
             self._thread.start()
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def score_many(self, contexts: Sequence[CoachContext], *, progress: bool = False) -> list[CoachScore]:
-        """Score every context (in order); unscored ones come back with `score=None` and an error."""
+    def score_many(self, contexts: Sequence[CoachContext], progress: ProgressFn | None = None) -> list[CoachScore]:
+        """Score every context (in order); unscored ones come back with `score=None` and an error.
+
+        `progress(done, total)` is called from the coach's thread after each judgment.
+        """
         if not contexts:
             return []
-        if not progress:
-            return self._run(self.score_many_async(contexts))
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        with Progress(
-            TextColumn(f"coach ({self.coach.name})"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
-        ) as bar:
-            task = bar.add_task("score", total=len(contexts))
-            return self._run(self.score_many_async(contexts, on_done=lambda: bar.advance(task)))
-
-    def finish_episodes(self, episodes: Sequence[Episode]) -> list[Episode]:
-        """Apply episode-level scoring once episodes are over; call it on every batch `run_episodes` returns.
-
-        For the `outcome` backend every action gets 10/0 from `episode.correct` (live, per-stage scoring
-        cannot know the outcome for the agents that act before the final one). Other backends score
-        actions live, so their episodes come back unchanged.
-        """
-        if self.coach.name != "outcome":
-            return list(episodes)
-        from mappa.coach.outcome import outcome_episodes
-
-        finished = outcome_episodes(episodes)
-        for before, after in zip(episodes, finished, strict=True):
-            for old, new in zip(before.actions, after.actions, strict=True):
-                if old.coach is None:
-                    self._judgments += 1
-                elif old.coach.score is None:
-                    self._unscored -= 1
-                if new.coach is not None and new.coach.score is None:
-                    self._unscored += 1
-        return finished
+        return self._run(self.score_many_async(contexts, progress))
 
     def __call__(self, contexts: Sequence[CoachContext]) -> list[CoachScore]:
         """A runner is itself the `scorer` callable that `run_episodes` takes."""
@@ -278,32 +234,33 @@ class CoachRunner:
         self.close()
 
 
-def _rubric(cfg: CoachConfig, template: Template, policy: Any) -> Coach:
-    from mappa.coach.rubric import RubricCoach
+def _rubric(cfg: CoachConfig, template: Template, policy: Policy | None) -> Coach:
+    from mappa.coach.rubric import rubric_coach
 
-    return RubricCoach()
-
-
-def _outcome(cfg: CoachConfig, template: Template, policy: Any) -> Coach:
-    from mappa.coach.outcome import OutcomeCoach
-
-    return OutcomeCoach()
+    return rubric_coach()
 
 
-def _openai(cfg: CoachConfig, template: Template, policy: Any) -> Coach:
+def _outcome(cfg: CoachConfig, template: Template, policy: Policy | None) -> Coach:
+    from mappa.coach.outcome import outcome_coach
+
+    return outcome_coach()
+
+
+def _openai(cfg: CoachConfig, template: Template, policy: Policy | None) -> Coach:
     from mappa.coach.openai_backend import OpenAICoach
 
     return OpenAICoach(cfg, template)
 
 
-def _local(cfg: CoachConfig, template: Template, policy: Any) -> Coach:
+def _local(cfg: CoachConfig, template: Template, policy: Policy | None) -> Coach:
     from mappa.coach.local import LocalCoach
 
     return LocalCoach(cfg, template, policy)
 
 
-# Backend name -> factory(cfg, template, policy). Imports are lazy: the rubric coach needs no torch or openai.
-COACHES: dict[str, Callable[[CoachConfig, Template, Any], Coach]] = {
+# Backend name -> factory(cfg, template, policy); the names are `CoachConfig.backend`'s (a test checks both agree).
+# Imports are lazy: the rubric coach needs no torch or openai.
+COACHES: dict[str, Callable[[CoachConfig, Template, Policy | None], Coach]] = {
     "rubric": _rubric,
     "outcome": _outcome,
     "openai": _openai,
@@ -311,16 +268,12 @@ COACHES: dict[str, Callable[[CoachConfig, Template, Any], Coach]] = {
 }
 
 
-def build_coach(cfg: CoachConfig, workflow: str, policy: Any = None) -> CoachRunner:
+def build_coach(cfg: CoachConfig, workflow: str, policy: Policy | None = None) -> CoachRunner:
     """The configured coach for `workflow`, wrapped in a runner (cache and accounting included).
 
-    `policy` (a `mappa.policy.Policy`) lets the `local` backend reuse an already loaded model
-    (its base weights, adapters disabled) when `coach.model` is empty.
+    `policy` lets the `local` backend reuse an already loaded model (its base weights, adapters
+    disabled) when `coach.model` is empty.
     """
-    from mappa.errors import MappaError
-
-    if cfg.backend not in COACHES:
-        raise MappaError(f"coach.backend: unknown backend {cfg.backend!r} (known: {', '.join(COACHES)})")
     template = template_for(cfg.template, workflow)
     coach = COACHES[cfg.backend](cfg, template, policy)
     cache = JudgmentCache(cfg.cache_path or None) if cfg.cache and coach.cacheable else None

@@ -1,6 +1,7 @@
 """The coach as a plain async function: build the prompt, call the model, parse; one follow-up when needed.
 
-Shared by the model-backed coaches (`openai`, `local`), which differ only in how they complete a chat.
+Shared by the model-backed coaches (`openai`, `local`), which differ only in how they complete a chat and
+count a prompt's tokens (`ChatCoach`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from mappa.coach.parse import TokenLogprob, expected_score, parse_answer_correct, parse_score, rationale_of
-from mappa.coach.prompts import Template, build_messages, follow_up_message
+from mappa.coach.prompts import ChatMessages, EvidenceTooLong, Template, fit_prompt, follow_up_message
+from mappa.config import CoachConfig
+from mappa.errors import MappaError
+from mappa.protocols import CallCounters
 from mappa.types import CoachContext, CoachScore
 
 # Errors that start with this prefix mean the endpoint never gave a judgment (after retries):
@@ -35,17 +39,44 @@ def _expected_or(tokens: tuple[TokenLogprob, ...], parsed: float) -> float:
     return parsed if value is None else value
 
 
-Complete = Callable[[list[dict[str, str]]], Awaitable[Reply]]
+Complete = Callable[[ChatMessages], Awaitable[Reply]]
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The coach's prompt budget in tokens (None: no limit) and how it counts a prompt's tokens."""
+
+    budget: int | None
+    count: Callable[[ChatMessages], int]
+
+
+NO_LIMIT = Fit(None, lambda messages: 0)
 
 
 async def judge(
-    ctx: CoachContext, template: Template, complete: Complete, *, backend: str, model: str, use_expected: bool
+    ctx: CoachContext,
+    template: Template,
+    complete: Complete,
+    *,
+    backend: str,
+    model: str,
+    use_expected: bool,
+    fit: Fit = NO_LIMIT,
 ) -> CoachScore:
     """Score one action. Never raises for endpoint trouble: failures come back unscored with an error."""
     t0 = time.perf_counter()
-    messages = build_messages(ctx, template)
     prompt_tokens = completion_tokens = 0
     raw = ""
+    try:
+        messages, cut = fit_prompt(ctx, template, fit.budget, fit.count)
+    except EvidenceTooLong as e:  # deterministic, so cached like any judgment; a larger budget is a new key
+        return CoachScore(
+            score=None,
+            error=f"evidence too long: {e}",
+            truncated_inputs=len(ctx.messages),
+            backend=backend,
+            model=model,
+        )
 
     def result(score: float | None, error: str | None, text: str) -> CoachScore:
         return CoachScore(
@@ -59,6 +90,7 @@ async def judge(
             completion_tokens=completion_tokens,
             backend=backend,
             model=model,
+            truncated_inputs=cut.messages,
         )
 
     try:
@@ -92,3 +124,49 @@ async def judge(
     if scored.answer_correct is None and ctx.is_final and ctx.ground_truth is not None:
         scored = scored.model_copy(update={"answer_correct": parse_answer_correct(second.text)})
     return scored
+
+
+class ChatCoach:
+    """A coach backed by a chat model: `judge` over the backend's `complete`, within its context budget.
+
+    Subclasses set `name`, `model`, `cfg`, `template` and `fit`, and implement `complete` and `aclose`.
+    """
+
+    name: str
+    model: str
+    cfg: CoachConfig
+    template: Template
+    fit: Fit = NO_LIMIT
+    cacheable = True
+
+    def __init__(self, cfg: CoachConfig, template: Template) -> None:
+        self.cfg = cfg
+        self.template = template
+        self.version = template.version
+        self.counters = CallCounters()
+
+    def prompt_budget(self, context_tokens: int | None) -> int | None:
+        """Prompt tokens left in a context of `context_tokens` once the reply's room is kept free."""
+        if context_tokens is None:
+            return None
+        budget = context_tokens - self.cfg.max_tokens
+        if budget < 64:
+            raise MappaError(
+                f"coach.max_context_tokens: {context_tokens} leaves {budget} tokens for the prompt after "
+                f"coach.max_tokens={self.cfg.max_tokens}"
+            )
+        return budget
+
+    async def complete(self, messages: ChatMessages) -> Reply:
+        raise NotImplementedError
+
+    async def score(self, ctx: CoachContext) -> CoachScore:
+        return await judge(
+            ctx,
+            self.template,
+            self.complete,
+            backend=self.name,
+            model=self.model,
+            use_expected=self.cfg.expected_score,
+            fit=self.fit,
+        )

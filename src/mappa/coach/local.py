@@ -2,68 +2,114 @@
 
 `coach.model` names the model (`smollm2-135m-instruct`, a local HF dir, a .gguf file, or
 `tiny-random`); when it is empty and the trainer passes its policy, the policy's frozen base
-(adapters disabled) is the coach, at no extra memory. Concurrent judgments are batched into one
-generate call. Token logprobs are always available here, so the expected score applies.
+(adapters disabled) is the coach, at no extra memory. Judgments that arrive while the model is busy
+wait and then decode together in one batched `Policy.generate` call (the training path never loads the
+serving engine; `mappa serve` + the `openai` backend is the continuously batched alternative). Token
+logprobs are always available here, so the expected score applies.
 Small models rarely follow the reply format: expect many unscored actions from a 135M coach.
+Prompts are counted with the coach model's own chat template and tokenizer, against
+`coach.max_context_tokens` (default: the model's context length) less the reply's `coach.max_tokens`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
 
-from mappa.coach.engine import ChatEngine, ChatRequest, load_policy
-from mappa.coach.judge import Reply, RequestFailed, judge
+from mappa.coach.judge import ChatCoach, Fit, Reply, RequestFailed
 from mappa.coach.parse import TokenLogprob
-from mappa.coach.prompts import Template
+from mappa.coach.prompts import ChatMessages, Template
 from mappa.config import CoachConfig
 from mappa.errors import MappaError
-from mappa.types import CoachContext, CoachScore, Message
+from mappa.policy import Generation, Policy
+from mappa.types import Message
 
 TOP_LOGPROBS = 20
+COACH_AGENT = "coach"  # the one agent name of a policy loaded only to coach (its adapters stay disabled)
 
 
-class LocalCoach:
+def _messages(chat: ChatMessages) -> tuple[Message, ...]:
+    return tuple(Message(role=m["role"], content=m["content"]) for m in chat)
+
+
+class LocalCoach(ChatCoach):
     name = "local"
-    cacheable = True
 
-    def __init__(self, cfg: CoachConfig, template: Template, policy: Any = None) -> None:
-        from mappa.coach import CallCounters
-
+    def __init__(self, cfg: CoachConfig, template: Template, policy: Policy | None = None) -> None:
         if cfg.model:
-            policy = load_policy(cfg.model)
+            from mappa.models import load_base_model
+
+            base, tokenizer = load_base_model(cfg.model)
+            policy = Policy.from_model(base, tokenizer, [COACH_AGENT], base_name=cfg.model)
             self.model = cfg.model
         elif policy is not None:
             self.model = policy.base_name or "policy-base"
         else:
             raise MappaError("coach.model: the local backend needs a model (e.g. coach.model=smollm2-135m-instruct)")
-        self.cfg = cfg
-        self.template = template
-        self.version = template.version
+        super().__init__(cfg, template)
         self.policy = policy
-        self.engine = ChatEngine(policy, max_batch=cfg.concurrency, prefix_cache_mib=cfg.prefix_cache_mib)
-        self.counters = CallCounters()
+        context = cfg.max_context_tokens or policy.model.config.max_position_embeddings
+        self.fit = Fit(self.prompt_budget(context), lambda chat: len(policy.chat_ids(_messages(chat))))
+        self.batches: list[int] = []  # judgments per generate call, in order
+        self._waiting: list[tuple[ChatMessages, asyncio.Future[Generation]]] = []
+        self._drainer: asyncio.Task[None] | None = None  # decodes what waits; None while idle
+        self._token_text: dict[int, str] = {}
 
-    async def complete(self, messages: list[dict[str, str]]) -> Reply:
-        self.counters.calls += 1
-        request = ChatRequest(
-            agent=None,
-            messages=tuple(Message(role=m["role"], content=m["content"]) for m in messages),
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.policy.tokenizer.decode([token_id])
+        return text
+
+    def _generate(self, chats: list[ChatMessages]) -> list[Generation]:
+        return self.policy.generate(
+            None,  # the frozen base: adapters disabled
+            [_messages(c) for c in chats],
             temperature=self.cfg.temperature,
-            max_tokens=self.cfg.max_tokens,
+            max_new_tokens=self.cfg.max_tokens,
             top_logprobs=TOP_LOGPROBS if self.cfg.expected_score else 0,
+            batch_size=self.cfg.concurrency,
         )
+
+    async def _drain(self) -> None:
+        """Decode everything waiting in one call, in a worker thread; repeat while more arrived meanwhile.
+
+        Started by the first judgment to arrive; judgments started with it (one `score_many`) have all
+        queued by the time it runs, since each runs up to this await before the drainer gets its turn.
+        """
         try:
-            gen = await self.engine.chat(request)
-        except MappaError as e:  # e.g. the coach prompt is longer than the model's context
+            while self._waiting:
+                batch, self._waiting = self._waiting, []
+                self.batches.append(len(batch))
+                try:
+                    gens = await asyncio.to_thread(self._generate, [chat for chat, _ in batch])
+                except Exception as e:  # noqa: BLE001 - every waiting judgment must hear of it
+                    for _, future in batch:
+                        future.set_exception(RequestFailed(f"{type(e).__name__}: {e}"))
+                    continue
+                for (_, future), gen in zip(batch, gens, strict=True):
+                    future.set_result(gen)
+        finally:
+            self._drainer = None
+
+    async def complete(self, messages: ChatMessages) -> Reply:
+        self.counters.calls += 1
+        future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
+        self._waiting.append((messages, future))
+        if self._drainer is None:
+            self._drainer = asyncio.create_task(self._drain())
+        try:
+            gen = await future
+        except RequestFailed:
             self.counters.failures += 1
-            raise RequestFailed(str(e)) from None
+            raise
+        return self._reply(gen)
+
+    def _reply(self, gen: Generation) -> Reply:
         eos = set(self.policy.eos_ids)
         tokens = None
         if gen.top_logprobs is not None:
             tokens = tuple(
-                TokenLogprob(
-                    self.engine.token_text(tid), lp, tuple((self.engine.token_text(a), alp) for a, alp in top)
-                )
+                TokenLogprob(self.token_text(tid), lp, tuple((self.token_text(a), alp) for a, alp in top))
                 for tid, lp, top in zip(gen.response_ids, gen.logprobs, gen.top_logprobs, strict=True)
                 if tid not in eos
             )
@@ -71,15 +117,5 @@ class LocalCoach:
             text=gen.text, tokens=tokens, prompt_tokens=len(gen.prompt_ids), completion_tokens=len(gen.response_ids)
         )
 
-    async def score(self, ctx: CoachContext) -> CoachScore:
-        return await judge(
-            ctx,
-            self.template,
-            self.complete,
-            backend=self.name,
-            model=self.model,
-            use_expected=self.cfg.expected_score,
-        )
-
     async def aclose(self) -> None:
-        await self.engine.aclose()
+        return None

@@ -5,6 +5,9 @@ The SDK's own retries are switched off so that every request is counted: this mo
 server's Retry-After. A request that still fails leaves the action unscored (never a made-up score).
 Wrong credentials, model or URL (401/403/404) are configuration errors and stop the run with a
 one-line message instead of silently leaving a day of actions unscored.
+
+The prompt goes whole unless `coach.max_context_tokens` is set; then it is counted offline
+(`mappa.coach.tokens`) and fitted to that budget less the reply's `coach.max_tokens`.
 """
 
 from __future__ import annotations
@@ -20,12 +23,11 @@ from urllib.parse import urlparse
 
 import openai
 
-from mappa.coach.judge import Reply, RequestFailed, judge
+from mappa.coach.judge import ChatCoach, Fit, Reply, RequestFailed
 from mappa.coach.parse import TokenLogprob
-from mappa.coach.prompts import Template
+from mappa.coach.prompts import ChatMessages, Template
 from mappa.config import CoachConfig
 from mappa.errors import MappaError
-from mappa.types import CoachContext, CoachScore
 
 OPENAI_URL = "https://api.openai.com/v1"
 TOP_LOGPROBS = 20  # the most OpenAI and vLLM (by default) return; enough for all 11 score values
@@ -66,21 +68,22 @@ def retry_after_s(headers: Any) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-class OpenAICoach:
+class OpenAICoach(ChatCoach):
     name = "openai"
-    cacheable = True
     backoff_base_s = 0.5  # first retry waits U(0, 0.5) s, then U(0, 1), U(0, 2), ... capped at backoff_cap_s
     backoff_cap_s = 30.0
 
     def __init__(self, cfg: CoachConfig, template: Template) -> None:
-        from mappa.coach import CallCounters
-
         if not cfg.model:
             raise MappaError("coach.model: the openai backend needs a model name (e.g. coach.model=gpt-4o-mini)")
-        self.cfg = cfg
+        super().__init__(cfg, template)
         self.model = cfg.model
-        self.template = template
-        self.version = template.version
+        self.counted_by = "nothing (no coach.max_context_tokens)"
+        if cfg.max_context_tokens is not None:
+            from mappa.coach.tokens import token_counter
+
+            count, self.counted_by = token_counter(cfg.tokenizer, cfg.model)
+            self.fit = Fit(self.prompt_budget(cfg.max_context_tokens), count)
         self.base_url = cfg.base_url or OPENAI_URL
         key = os.environ.get(cfg.api_key_env, "")
         if not key:
@@ -92,7 +95,6 @@ class OpenAICoach:
         self._api_key = key
         self._logprobs = cfg.expected_score
         self._clients: dict[int, tuple[asyncio.AbstractEventLoop, openai.AsyncOpenAI]] = {}
-        self.counters = CallCounters()
 
     def _client(self) -> openai.AsyncOpenAI:
         # An async HTTP client belongs to one event loop; keep one per loop.
@@ -109,7 +111,7 @@ class OpenAICoach:
     def _backoff(self, attempt: int) -> float:
         return random.uniform(0.0, min(self.backoff_cap_s, self.backoff_base_s * 2**attempt))
 
-    async def _request(self, messages: list[dict[str, str]]) -> Any:
+    async def _request(self, messages: ChatMessages) -> Any:
         kwargs: dict[str, Any] = {
             "model": self.model,
             "messages": messages,
@@ -120,7 +122,7 @@ class OpenAICoach:
             kwargs.update(logprobs=True, top_logprobs=TOP_LOGPROBS)
         return await self._client().chat.completions.create(**kwargs)
 
-    async def complete(self, messages: list[dict[str, str]]) -> Reply:
+    async def complete(self, messages: ChatMessages) -> Reply:
         """One chat completion with retries; raises RequestFailed when it gives up."""
         last = ""
         attempt = 0
@@ -166,16 +168,6 @@ class OpenAICoach:
             await asyncio.sleep(delay)
             attempt += 1
             self.counters.retries += 1
-
-    async def score(self, ctx: CoachContext) -> CoachScore:
-        return await judge(
-            ctx,
-            self.template,
-            self.complete,
-            backend=self.name,
-            model=self.model,
-            use_expected=self.cfg.expected_score,
-        )
 
     async def aclose(self) -> None:
         loop = asyncio.get_running_loop()

@@ -7,15 +7,14 @@ else 0. The outcome is an episode-level fact, so the per-action scorer reads it 
 - otherwise the final agent's own output is checked against its ground truth, which is the
   episode's outcome by definition;
 - a non-final action with neither is unscored (never a guess).
-`outcome_episodes` applies the baseline to finished episodes directly, which is what a trainer
-running outcome-only should use once an episode's `correct` is known.
+The trainer does not need these live scores: it gives every action its episode's outcome once the
+episode is over (`mappa.rewards.per_action_scores(episodes, "outcome")`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from mappa.types import CoachContext, CoachScore, Episode
+from mappa.coach.rubric import RuleCoach
+from mappa.types import CoachContext, CoachScore
 
 VERSION = "outcome-v1"
 
@@ -47,35 +46,12 @@ def outcome_context_score(ctx: CoachContext) -> CoachScore:
         return CoachScore(
             score=None,
             error="outcome coach: the episode's outcome is not known yet for this non-final action "
-            "(score finished episodes with outcome_episodes / score_episodes)",
+            "(the trainer scores finished episodes; `mappa coach score` passes the outcome)",
             backend="outcome",
             model=VERSION,
         )
     return outcome_score(bool(correct))
 
 
-def outcome_episodes(episodes: Sequence[Episode]) -> list[Episode]:
-    """Every action of each episode scored 10/0 from `episode.correct` (None: unscored)."""
-    out = []
-    for ep in episodes:
-        score = outcome_score(ep.correct)
-        out.append(ep.model_copy(update={"actions": tuple(a.model_copy(update={"coach": score}) for a in ep.actions)}))
-    return out
-
-
-class OutcomeCoach:
-    name = "outcome"
-    model = VERSION
-    version = VERSION
-    cacheable = False
-
-    def __init__(self) -> None:
-        from mappa.coach import CallCounters
-
-        self.counters = CallCounters()
-
-    async def score(self, ctx: CoachContext) -> CoachScore:
-        return outcome_context_score(ctx)
-
-    async def aclose(self) -> None:
-        return None
+def outcome_coach() -> RuleCoach:
+    return RuleCoach("outcome", VERSION, outcome_context_score)

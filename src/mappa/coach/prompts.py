@@ -4,16 +4,21 @@ A template turns a `CoachContext` into chat messages. The ground truth is render
 context belongs to the final agent (`is_final`): earlier agents are judged on the evidence they
 produced, never on the answer they could not see. Bump a template's `version` whenever its text
 changes, so cached judgments made with the old wording are not reused.
+
+The coach sees the agent's exact input and raw output, whole. Only when a prompt would exceed the
+coach's context budget does `fit_prompt` leave out the agent's oldest input messages (the newest part
+of the last one it touches is kept), never the output; the prompt says where and how much was cut.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from mappa.errors import MappaError
 from mappa.types import CoachContext
 
-_MAX_MESSAGE_CHARS = 6000  # one input message shown to the coach; longer ones keep head and tail
+ChatMessages = list[dict[str, str]]
+TokenCount = Callable[[ChatMessages], int]  # tokens of a chat prompt, as the coach model counts them
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,7 @@ clear problems, 8 = solid, 10 = perfect."""
 
 MATHCHAT = Template(
     name="mathchat",
-    version="mathchat-v1",
+    version="mathchat-v2",
     system=_SYSTEM,
     rubric="""The team solves a competition math problem in three steps: a Problem Solver reasons about it \
 (no tools), a Code Executor writes Python that is run and its output returned, and a Verifier combines \
@@ -55,7 +60,7 @@ errors it can see, and states one final answer in \\boxed{...};
 
 DS_PIPELINE = Template(
     name="ds_pipeline",
-    version="ds_pipeline-v1",
+    version="ds_pipeline-v2",
     system=_SYSTEM,
     rubric="""The team builds a submission for a tabular machine-learning task through shared files: a Data \
 Engineer saves X_train.pkl, y_train.pkl and X_test.pkl; a Modeler saves model.pkl; an Analyst writes \
@@ -76,7 +81,7 @@ scores about 4.""",
 
 GENERIC = Template(
     name="generic",
-    version="generic-v1",
+    version="generic-v2",
     system=_SYSTEM,
     rubric="""Rate the action on how much it helped the team, given the agent's role and input: correct \
 reasoning, runnable code when code is called for, consistency with the tool output, and focus.""",
@@ -86,33 +91,56 @@ TEMPLATES: dict[str, Template] = {t.name: t for t in (MATHCHAT, DS_PIPELINE, GEN
 
 
 def template_for(name: str, workflow: str) -> Template:
-    """The configured template (`coach.template`), else the workflow's own, else the generic one."""
-    if name:
-        if name not in TEMPLATES:
-            raise MappaError(f"coach.template: unknown template {name!r} (known: {', '.join(sorted(TEMPLATES))})")
-        return TEMPLATES[name]
-    return TEMPLATES.get(workflow, GENERIC)
+    """The configured template (`coach.template`, checked by the config), else the workflow's own, else generic."""
+    return TEMPLATES[name] if name else TEMPLATES.get(workflow, GENERIC)
 
 
-def _clip(text: str, limit: int = _MAX_MESSAGE_CHARS) -> str:
-    if len(text) <= limit:
-        return text
-    half = limit // 2
-    return f"{text[:half]}\n[... {len(text) - limit} characters omitted ...]\n{text[-half:]}"
+@dataclass(frozen=True)
+class Cut:
+    """What the prompt leaves out of the agent's input: the `dropped` oldest messages, then the first `chars`
+    characters of the next one. The default cuts nothing."""
+
+    dropped: int = 0
+    chars: int = 0
+
+    @property
+    def messages(self) -> int:
+        """Input messages left out wholly or in part."""
+        return self.dropped + (self.chars > 0)
 
 
-def render_context(ctx: CoachContext) -> str:
+NO_CUT = Cut()
+
+
+def _input_section(ctx: CoachContext, cut: Cut) -> list[str]:
+    if not cut.messages:
+        return ["## The agent's exact input", *(f"[{i}] {m.role}:\n{m.content}" for i, m in enumerate(ctx.messages))]
+    parts = [
+        f"## The agent's input (cut to fit your context: {cut.messages} of its {len(ctx.messages)} messages, "
+        "oldest first; the output below is complete)"
+    ]
+    if cut.dropped:
+        parts.append(f"[messages 0-{cut.dropped - 1} left out]")
+    for i in range(cut.dropped, len(ctx.messages)):
+        m = ctx.messages[i]
+        text = m.content
+        if i == cut.dropped and cut.chars:
+            text = f"[... first {cut.chars} characters of this message left out ...]\n{text[cut.chars :]}"
+        parts.append(f"[{i}] {m.role}:\n{text}")
+    return parts
+
+
+def render_context(ctx: CoachContext, cut: Cut = NO_CUT) -> str:
     """The evidence block of the user prompt. Ground truth appears only for the final agent."""
     parts = [
         f"## Task\n{ctx.task}",
         f"## Agent\n{ctx.agent}" + (" (the final agent of the team)" if ctx.is_final else ""),
         f"## Role\n{ctx.role}",
-        "## The agent's exact input",
+        *_input_section(ctx, cut),
     ]
-    for i, m in enumerate(ctx.messages):
-        parts.append(f"[{i}] {m.role}:\n{_clip(m.content)}")
-    parts.append(f"## The agent's output (this action)\n{_clip(ctx.output)}")
-    parts.append(f"## Tool observation\n{ctx.observation or 'no tool used'}")
+    parts.append(f"## The agent's output (this action)\n{ctx.output}")
+    # The coach reads the words; code decides by exec_result, never by this text.
+    parts.append(f"## Tool observation\n{'no tool used' if ctx.exec_result is None else ctx.observation}")
     if ctx.files_visible or ctx.files_by_agent:
         parts.append("## Files the agent could see\n" + (", ".join(ctx.files_visible) or "(none)"))
         saved = [f"- {agent}: {', '.join(files) or '(nothing)'}" for agent, files in ctx.files_by_agent.items()]
@@ -131,11 +159,49 @@ def render_context(ctx: CoachContext) -> str:
 _HIDDEN_EXTRA = frozenset({"episode_correct", "episode_id", "action_index"})
 
 
-def build_messages(ctx: CoachContext, template: Template) -> list[dict[str, str]]:
+def build_messages(ctx: CoachContext, template: Template, cut: Cut = NO_CUT) -> ChatMessages:
     """OpenAI-style chat messages for one judgment."""
     fmt = _OUTPUT_FORMAT_FINAL if ctx.is_final and ctx.ground_truth is not None else _OUTPUT_FORMAT
-    user = f"{template.rubric}\n\n{render_context(ctx)}\n\n{fmt}"
+    user = f"{template.rubric}\n\n{render_context(ctx, cut)}\n\n{fmt}"
     return [{"role": "system", "content": template.system}, {"role": "user", "content": user}]
+
+
+class EvidenceTooLong(Exception):
+    """Even with all of the agent's input left out, the prompt exceeds the coach's budget."""
+
+
+def fit_prompt(
+    ctx: CoachContext, template: Template, budget: int | None, count: TokenCount
+) -> tuple[ChatMessages, Cut]:
+    """The judgment's messages within `budget` prompt tokens (None: no limit), and what was cut to get there.
+
+    Whole oldest input messages go first; then the newest part of the last one dropped is given back, as much
+    as fits (found by bisection on the cut point). Raises EvidenceTooLong when the task, role and output alone
+    exceed the budget: the output is never cut.
+    """
+    messages = build_messages(ctx, template)
+    if budget is None or count(messages) <= budget:
+        return messages, NO_CUT
+    for dropped in range(1, len(ctx.messages) + 1):
+        messages = build_messages(ctx, template, Cut(dropped))
+        if count(messages) <= budget:
+            break
+    else:
+        n = count(build_messages(ctx, template, Cut(len(ctx.messages))))
+        raise EvidenceTooLong(
+            f"coach prompt needs {n} tokens without any of the agent's input; the budget is {budget}"
+        )
+    best, cut = messages, Cut(dropped)
+    text = ctx.messages[dropped - 1].content
+    lo, hi = 1, len(text) - 1  # characters cut from the head of the last dropped message
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        trial = build_messages(ctx, template, Cut(dropped - 1, mid))
+        if count(trial) <= budget:
+            best, cut, hi = trial, Cut(dropped - 1, mid), mid - 1
+        else:
+            lo = mid + 1
+    return best, cut
 
 
 def follow_up_message(ctx: CoachContext) -> dict[str, str]:

@@ -5,7 +5,8 @@ trains on a real, if blunt, per-action signal:
 - empty output: 0;
 - the final agent (with a ground truth): final answer checked with `mappa.tasks.check_answer`;
 - an agent whose role calls for code (the role text mentions code or Python, or required files
-  are declared): code present, ran, errored, timed out, printed something, saved what it must;
+  are declared): code present, ran, errored, timed out, printed something, saved what it must
+  (read from the action's `ExecResult`, not from the observation text);
 - any other agent: a substantive reply that commits to a result scores above one that does not.
 Non-final agents are never judged against the ground truth, even if a context carries one.
 Every score comes with a one-line rationale naming the rules that fired.
@@ -15,14 +16,13 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 
+from mappa.protocols import CallCounters
 from mappa.types import CoachContext, CoachScore
 
-RULES_VERSION = "rubric-v1"
+RULES_VERSION = "rubric-v2"
 
-_NO_TOOL = "no tool used"
-_ERROR_RE = re.compile(r"Traceback \(most recent call last\)|\b\w*Error\b|\[stderr\]|exit code [1-9]|exit_code=[1-9]")
-_TIMEOUT_RE = re.compile(r"timed out|time limit|timeout", re.IGNORECASE)
 _BOXED_RE = re.compile(r"\\boxed\s*\{")
 _NUMBER_RE = re.compile(r"\d")
 _CODE_FENCE_RE = re.compile(r"```(?:python|py)\b", re.IGNORECASE)
@@ -57,17 +57,17 @@ def _final(ctx: CoachContext) -> tuple[float, str, bool | None]:
 
 
 def _code_agent(ctx: CoachContext) -> tuple[float, list[str]]:
-    obs = ctx.observation or _NO_TOOL
+    result = ctx.exec_result
     if not _has_code(ctx.output):
         return 1.0, ["no runnable ```python block"]
-    if obs.strip() == _NO_TOOL:
+    if result is None:
         return 3.0, ["code present but no tool output recorded"]
     why: list[str] = []
-    if _TIMEOUT_RE.search(obs):
+    if result.timed_out:
         score, why = 2.0, ["code timed out"]
-    elif _ERROR_RE.search(obs):
+    elif not result.ok:
         score, why = 3.0, ["code raised an error"]
-    elif not obs.strip() or obs.strip() in ("(no output)", "<tool_response>\n</tool_response>"):
+    elif not result.stdout.strip():
         score, why = 5.0, ["code ran but printed nothing"]
     else:
         score, why = 8.0, ["code ran and printed a result"]
@@ -101,7 +101,7 @@ def rubric_score(ctx: CoachContext) -> CoachScore:
     elif ctx.is_final and ctx.ground_truth is not None:
         score, reason, answer_correct = _final(ctx)
         why = [reason]
-        if _has_code(ctx.output) and _ERROR_RE.search(ctx.observation or ""):
+        if _has_code(ctx.output) and ctx.exec_result is not None and not ctx.exec_result.ok:
             score, why = max(0.0, score - 1.0), [*why, "its code raised an error"]
     elif _wants_code(ctx):
         score, why = _code_agent(ctx)
@@ -119,19 +119,24 @@ def rubric_score(ctx: CoachContext) -> CoachScore:
     )
 
 
-class RubricCoach:
-    name = "rubric"
-    model = RULES_VERSION
-    version = RULES_VERSION
-    cacheable = False  # free and instant: caching would only hide rule changes
+class RuleCoach:
+    """A coach that applies a function of the context: free and instant, so never cached (a cache would only
+    hide rule changes) and never counted as calls."""
 
-    def __init__(self) -> None:
-        from mappa.coach import CallCounters
+    cacheable = False
 
+    def __init__(self, name: str, version: str, rules: Callable[[CoachContext], CoachScore]) -> None:
+        self.name = name
+        self.model = self.version = version
+        self.rules = rules
         self.counters = CallCounters()
 
     async def score(self, ctx: CoachContext) -> CoachScore:
-        return rubric_score(ctx)
+        return self.rules(ctx)
 
     async def aclose(self) -> None:
         return None
+
+
+def rubric_coach() -> RuleCoach:
+    return RuleCoach("rubric", RULES_VERSION, rubric_score)

@@ -5,18 +5,21 @@
     with Sandbox(SandboxConfig()) as sb:                # warm pool + concurrency from the config
         results = sb.run_many([(code, ws) for code in snippets])
     remove_workspace(ws)
+    print(describe_confinement(sb.confinement))        # one line: the confinement in use, what it leaves open
 
 Each snippet runs in a forked child of a confined runner (see confine.py for the exact confinement):
 - wall clock (`timeout_s`) and CPU time (RLIMIT_CPU): the snippet and everything it started is killed, also
   processes that started their own session (PID namespace under bwrap; per-workspace uid sweep as root);
-- memory: RLIMIT_AS (`memory_mb`; in the warm pool counted on top of the preloaded modules); a MemoryError
-  or allocation failure is reported as `memory_exceeded`;
+- memory: a watchdog sums the resident memory (anonymous + shared, not file-backed) of the snippet's
+  processes every 50 ms and kills them all above `memory_mb`, reported as `memory_exceeded` (so is an
+  allocation that fails outright). Not an address-space limit: that counts what numpy, pyarrow and torch
+  reserve, not what they use. In the warm pool the preloaded modules count as in a cold run that imports them;
 - processes: RLIMIT_NPROC (`max_processes`), exact per workspace when root (a uid per workspace),
   otherwise counted on top of the user's existing processes;
 - file size: RLIMIT_FSIZE (`max_file_mb`); stdout/stderr are read incrementally and only `max_output_chars`
   are kept (head and tail, with a marker saying how much was cut), so 100 MB of output costs no memory;
 - no network: a network namespace (bwrap, or `unshare -n` in the fallback). Where neither works the network
-  stays open, and the one-time fallback warning says so;
+  stays open, and the confinement's one-line description says so;
 - environment: scrubbed to PATH/HOME/LANG and thread settings; no inherited API keys or tokens;
 - files: under bwrap the root filesystem is read-only, /tmp is empty and read-only, /root and $HOME are
   hidden; only the workspace is writable (TMPDIR and HOME point into it);
@@ -26,42 +29,42 @@ What it does NOT protect against:
 - kernel exploits and escapes from namespaces (it is not a VM; run untrusted code at scale in a VM too);
 - reading world-readable files of the host (the repository, /etc/passwd, installed packages);
 - CPU and disk-bandwidth hogging within the limits (no cgroups: a snippet may use its cores until timeout);
+- memory peaks shorter than the watchdog's 50 ms period; pages that forked workers still share with their
+  parent are counted once per process (fork-based multiprocessing is charged more than it uses);
 - the many files case beyond the file-size limit: a snippet can fill the disk with many small files
-  under its workspace (no quota);
+  under its workspace (no quota), or fill /dev/shm in the fallback;
 - without bwrap (fallback): writes to world-writable directories, and, when not root, to anything the user
   can write; leaked processes of a non-root fallback snippet that left its session; the network when
-  `unshare` is not allowed;
+  `unshare` is not allowed; everything, when snippets must run as root (described by describe_confinement);
 - in the warm pool without root: one snippet opening another episode's workspace if it can guess its
   random path (as root each workspace has its own uid and mode 0700).
 """
 
 from __future__ import annotations
 
-import json
-import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Literal
 
 from mappa.config import SandboxConfig
-from mappa.errors import MappaError
-from mappa.sandbox.confine import Confinement, detect_confinement
+from mappa.sandbox.confine import Confinement, ConfinementMode, describe_confinement, detect_confinement
 from mappa.sandbox.execute import Limits, run_cold
 from mappa.sandbox.pool import WarmPool
 from mappa.sandbox.workspace import new_workspace, remove_workspace, workspace_root
 from mappa.types import ExecResult
 
 __all__ = [
+    "Confinement",
+    "ConfinementMode",
     "Sandbox",
+    "describe_confinement",
+    "detect_confinement",
     "new_workspace",
     "remove_workspace",
     "run_python",
-    "sandbox_run_command",
     "workspace_root",
 ]
-
-ConfinementMode = Literal["auto", "bwrap", "fallback"]
 
 
 def run_python(
@@ -86,11 +89,15 @@ def run_python(
 
 class Sandbox:
     """Runs snippets with the limits of a SandboxConfig: up to `cfg.concurrency` at once, through the warm
-    pool when `cfg.pool` (snippets whose workspace is outside `workspace_root()` run cold)."""
+    pool when `cfg.pool` (snippets whose workspace is outside `workspace_root()` run cold).
 
-    def __init__(self, cfg: SandboxConfig | None = None, *, confinement: ConfinementMode = "auto") -> None:
+    The confinement is `cfg.confinement` unless `confinement` overrides it; `describe_confinement(
+    sandbox.confinement)` names it in one line.
+    """
+
+    def __init__(self, cfg: SandboxConfig | None = None, *, confinement: ConfinementMode | None = None) -> None:
         self.cfg = cfg or SandboxConfig()
-        self.confinement: Confinement = detect_confinement(confinement)
+        self.confinement: Confinement = detect_confinement(confinement or self.cfg.confinement)
         self.limits = Limits(
             self.cfg.timeout_s,
             self.cfg.memory_mb,
@@ -101,27 +108,34 @@ class Sandbox:
         self.root = workspace_root().resolve()
         self.pool = WarmPool(self.root, self.cfg.preload, self.confinement) if self.cfg.pool else None
         self._executor = ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix="sandbox")
+        self._locks: dict[Path, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
 
     def run(self, code: str, workspace: str | Path, *, timeout_s: float | None = None) -> ExecResult:
+        """Run one snippet. Snippets of one workspace run one at a time: they share its uid, and the sweep after
+        one of them (and the memory watchdog) covers every process of that uid."""
         workspace = Path(workspace).resolve()
         limits = self.limits if timeout_s is None else Limits(**{**self.limits.__dict__, "timeout_s": timeout_s})
-        if self.pool is not None and workspace.parent == self.root:
-            return self.pool.run(code, workspace, limits)
-        return run_cold(code, workspace, limits, self.confinement)
+        with self._locks_lock:
+            lock = self._locks.setdefault(workspace, threading.Lock())
+        with lock:
+            if self.pool is not None and workspace.parent == self.root:
+                return self.pool.run(code, workspace, limits)
+            return run_cold(code, workspace, limits, self.confinement)
 
-    def run_many(self, items: Sequence[tuple[str, Path]], progress: bool = False) -> list[ExecResult]:
-        """Run (code, workspace) pairs, `cfg.concurrency` at a time; results in input order."""
+    def run_many(
+        self, items: Sequence[tuple[str, Path]], progress: Callable[[int, int], None] | None = None
+    ) -> list[ExecResult]:
+        """Run (code, workspace) pairs, `cfg.concurrency` at a time; results in input order.
+
+        `progress(done, total)` is called after each result, in input order.
+        """
         futures = [self._executor.submit(self.run, code, ws) for code, ws in items]
-        if not progress:
-            return [f.result() for f in futures]
-        from rich.progress import Progress
-
-        with Progress(transient=True) as bar:
-            task = bar.add_task("sandbox", total=len(futures))
-            results = []
-            for f in futures:
-                results.append(f.result())
-                bar.advance(task)
+        results = []
+        for f in futures:
+            results.append(f.result())
+            if progress is not None:
+                progress(len(results), len(futures))
         return results
 
     def close(self) -> None:
@@ -134,26 +148,3 @@ class Sandbox:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def sandbox_run_command(
-    file: str, *, timeout_s: float = 10.0, memory_mb: int = 1024, workspace: str | None = None, pool: bool = False
-) -> int:
-    """`mappa sandbox run FILE`: print the ExecResult as JSON; exit 0 when the sandbox itself worked."""
-    path = Path(file)
-    if not path.is_file():
-        raise MappaError(f"{path}: file not found")
-    code = path.read_text(encoding="utf-8", errors="surrogateescape")
-    fresh = workspace is None
-    ws = new_workspace() if fresh else Path(workspace)
-    if not fresh:
-        ws.mkdir(parents=True, exist_ok=True)
-    cfg = SandboxConfig(timeout_s=timeout_s, memory_mb=memory_mb, pool=pool, concurrency=1)
-    try:
-        with Sandbox(cfg) as sandbox:
-            result = sandbox.run(code, ws)
-    finally:
-        if fresh:
-            remove_workspace(ws)
-    sys.stdout.write(json.dumps(result.model_dump(mode="json"), indent=2) + "\n")
-    return 1 if result.infra_error else 0

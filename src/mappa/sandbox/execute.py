@@ -112,7 +112,7 @@ def read_outputs(
     return streams[out_fd], streams[err_fd], hit
 
 
-def snippet_spec(workspace: Path, uid: int | None, limits: Limits, memory_on_top: bool) -> dict:
+def snippet_spec(workspace: Path, uid: int | None, limits: Limits) -> dict:
     nproc = limits.max_processes
     if uid is None:
         # Without a uid of its own the limit counts the user's other processes too.
@@ -121,7 +121,6 @@ def snippet_spec(workspace: Path, uid: int | None, limits: Limits, memory_on_top
         "workspace": str(workspace),
         "uid": uid,
         "memory_mb": limits.memory_mb,
-        "memory_on_top": memory_on_top,
         "fsize_mb": limits.max_file_mb,
         "cpu_s": limits.cpu_s if limits.cpu_s is not None else math.ceil(limits.timeout_s) + 1,
         "nproc": nproc,
@@ -136,7 +135,10 @@ def build_result(
     duration_s: float,
     files: tuple[tuple[str, ...], tuple[str, ...]],
     infra_error: str | None = None,
+    memory_exceeded: bool = False,
 ) -> ExecResult:
+    """The record of one run. `memory_exceeded`: the runner's watchdog killed the snippet; an allocation that
+    failed outright (MemoryError and its native cousins in the last lines of stderr) counts too."""
     exit_code: int | None = None
     killed: int | None = None
     if wait_status is not None:
@@ -151,7 +153,7 @@ def build_result(
         infra_error = err_text.strip().splitlines()[-1]
     if killed == signal.SIGXCPU:
         timed_out = True  # the CPU-time limit: the same fault as the wall clock, reported the same way
-    memory = not timed_out and bool(_MEMORY_RE.search(err_text[-2000:]))
+    memory = memory_exceeded or (not timed_out and bool(_MEMORY_RE.search(err_text[-2000:])))
     ok = exit_code == 0 and not timed_out and not memory and infra_error is None
     return ExecResult(
         ok=ok,
@@ -168,24 +170,72 @@ def build_result(
     )
 
 
+def code_memfd(code: str) -> int:
+    """The snippet's code as an anonymous file, passed to the runner by descriptor (no argv or disk limits)."""
+    fd = os.memfd_create("snippet")
+    os.write(fd, code.encode("utf-8", errors="surrogateescape"))
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def failed_to_start(limits: Limits, why: str) -> ExecResult:
+    empty = BoundedStream(limits.max_output_chars)
+    return build_result(None, empty, empty, False, 0.0, ((), ()), infra_error=why)
+
+
+class RunnerReport:
+    """What a `runner.py once` writes to its status pipe: the snippet's pid, then its wait status."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.data: dict = {}
+        os.set_blocking(fd, False)
+
+    def read(self) -> dict:
+        while True:
+            try:
+                chunk = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                return self.data
+            if not chunk:
+                return self.data
+            for line in chunk.splitlines():
+                self.data.update(json.loads(line))
+
+
+def _sweep_cold(proc: subprocess.Popen, confinement: Confinement, uid: int | None, report: RunnerReport) -> None:
+    """Kill a cold run's processes. Under bwrap the PID namespace dies with its init and takes every
+    descendant along; the fallback has no such namespace: kill the snippet's uid (root) or its session."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    if confinement.kind != "fallback":
+        return
+    if uid is not None:
+        kill_uid(uid)
+    elif "pid" in report.read():
+        try:
+            os.killpg(report.data["pid"], signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def run_cold(code: str, workspace: Path, limits: Limits, confinement: Confinement) -> ExecResult:
     """One fresh interpreter per snippet (the path without the warm pool)."""
     workspace = workspace.resolve()
     uid = prepare_workspace(workspace)
+    uid = uid if confinement.drop_uid else None
     before = snapshot(workspace)
-    spec = snippet_spec(workspace, uid if confinement.drop_uid else None, limits, memory_on_top=False)
-    code_fd = os.memfd_create("snippet")
-    os.write(code_fd, code.encode("utf-8", errors="surrogateescape"))
-    os.lseek(code_fd, 0, os.SEEK_SET)
+    code_fd = code_memfd(code)
     status_r, status_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    argv = runner_argv("once", str(status_w), str(code_fd), json.dumps(spec))
-    cmd = confinement.command([workspace], workspace, argv)
+    argv = runner_argv("once", str(status_w), str(code_fd), json.dumps(snippet_spec(workspace, uid, limits)))
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
-            cmd,
+            confinement.command([workspace], workspace, argv),
             stdin=subprocess.DEVNULL,
             stdout=out_w,
             stderr=err_w,
@@ -195,55 +245,29 @@ def run_cold(code: str, workspace: Path, limits: Limits, confinement: Confinemen
             start_new_session=True,
         )
     except OSError as e:
-        for fd in (code_fd, status_r, status_w, out_r, out_w, err_r, err_w):
+        for fd in (status_r, out_r, err_r):
             os.close(fd)
-        empty = BoundedStream(limits.max_output_chars)
-        return build_result(None, empty, empty, False, 0.0, ((), ()), infra_error=f"cannot start sandbox: {e}")
-    for fd in (code_fd, status_w, out_w, err_w):
-        os.close(fd)
-
-    report: dict = {}
-    os.set_blocking(status_r, False)
-
-    def read_report() -> None:
-        while True:
-            try:
-                data = os.read(status_r, 1 << 16)
-            except BlockingIOError:
-                return
-            if not data:
-                return
-            for line in data.splitlines():
-                report.update(json.loads(line))
-
-    def sweep() -> None:
-        # Under bwrap the PID namespace dies with its init and takes every descendant along. The fallback
-        # has no such namespace: kill the snippet's uid (root) or at least its session.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        if confinement.kind == "fallback":
-            read_report()
-            if uid is not None and confinement.drop_uid:
-                kill_uid(uid)
-            elif "pid" in report:
-                try:
-                    os.killpg(report["pid"], signal.SIGKILL)
-                except OSError:
-                    pass
-
+        return failed_to_start(limits, f"cannot start sandbox: {e}")
+    finally:
+        for fd in (code_fd, status_w, out_w, err_w):
+            os.close(fd)
+    report = RunnerReport(status_r)
     stdout, stderr, timed_out = read_outputs(
-        out_r, err_r, limits.max_output_chars, start + limits.timeout_s, sweep, lambda: proc.poll() is not None
+        out_r,
+        err_r,
+        limits.max_output_chars,
+        start + limits.timeout_s,
+        lambda: _sweep_cold(proc, confinement, uid, report),
+        lambda: proc.poll() is not None,
     )
     runner_status = proc.wait()
     duration = time.monotonic() - start
-    read_report()  # the runner has exited: everything it wrote is in the pipe
+    report.read()  # the runner has exited: everything it wrote is in the pipe
     if confinement.kind == "fallback":
-        sweep()
+        _sweep_cold(proc, confinement, uid, report)
     os.close(status_r)
     infra = None
-    wait_status = report.get("wait_status")
+    wait_status = report.data.get("wait_status")
     if wait_status is None and not timed_out:
         if runner_status < 0:
             # The runner itself was killed: only a snippet sharing our uid (fallback, not root) can do that.
@@ -252,4 +276,5 @@ def run_cold(code: str, workspace: Path, limits: Limits, confinement: Confinemen
             last = stderr.text().strip().splitlines()[-1:] or ["no output"]
             infra = f"sandbox failed to start (exit {runner_status}): {last[0]}"
     files = diff_snapshots(before, snapshot(workspace))
-    return build_result(wait_status, stdout, stderr, timed_out, duration, files, infra_error=infra)
+    memory = bool(report.data.get("memory_exceeded"))
+    return build_result(wait_status, stdout, stderr, timed_out, duration, files, infra, memory)

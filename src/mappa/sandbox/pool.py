@@ -3,8 +3,9 @@
 The server (runner.py `serve`) runs inside the same confinement as a cold snippet, with the whole workspace
 root bound read-write instead of one workspace. For each request the host sends, over a Unix socket, the
 snippet's code (a memfd) and the write ends of its stdout/stderr pipes; the server forks a child that
-applies the limits, drops to the workspace's uid and runs the code; when the child exits the server kills
-everything that uid left behind and replies with the wait status. A fresh fork per snippet means a fresh
+applies the limits, drops to the workspace's uid and runs the code; while it runs the server enforces its
+timeout and watches its resident memory; when the child exits the server kills everything that uid left
+behind and replies with the wait status. A fresh fork per snippet means a fresh
 copy of the preloaded interpreter: nothing a snippet sets (globals, monkeypatches, `sys.modules`) reaches
 the next one.
 
@@ -30,7 +31,7 @@ from pathlib import Path
 import psutil
 
 from mappa.sandbox.confine import Confinement, runner_argv, sandbox_env
-from mappa.sandbox.execute import BoundedStream, Limits, build_result, read_outputs, snippet_spec
+from mappa.sandbox.execute import Limits, build_result, code_memfd, failed_to_start, read_outputs, snippet_spec
 from mappa.sandbox.workspace import diff_snapshots, prepare_workspace, snapshot
 from mappa.types import ExecResult
 
@@ -183,10 +184,8 @@ class WarmPool:
         workspace = workspace.resolve()
         uid = prepare_workspace(workspace)
         before = snapshot(workspace)
-        spec = snippet_spec(workspace, uid if self.confinement.drop_uid else None, limits, memory_on_top=True)
-        code_fd = os.memfd_create("snippet")
-        os.write(code_fd, code.encode("utf-8", errors="surrogateescape"))
-        os.lseek(code_fd, 0, os.SEEK_SET)
+        spec = snippet_spec(workspace, uid if self.confinement.drop_uid else None, limits)
+        code_fd = code_memfd(code)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         start = time.monotonic()
@@ -195,8 +194,7 @@ class WarmPool:
         except PoolError as e:
             for fd in (out_r, err_r):
                 os.close(fd)
-            empty = BoundedStream(limits.max_output_chars)
-            return build_result(None, empty, empty, False, 0.0, ((), ()), infra_error=str(e))
+            return failed_to_start(limits, str(e))
         finally:
             for fd in (code_fd, out_w, err_w):
                 os.close(fd)
@@ -204,7 +202,7 @@ class WarmPool:
         backstop = start + limits.timeout_s + REPLY_GRACE_S
         stdout, stderr, _ = read_outputs(out_r, err_r, limits.max_output_chars, backstop, lambda: None, fut.done)
         infra = None
-        reply: dict = {"wait_status": None, "timed_out": False}
+        reply: dict = {"wait_status": None, "timed_out": False, "memory_exceeded": False}
         try:
             reply = fut.result(timeout=max(0.0, backstop - time.monotonic()))
         except FutureTimeout:
@@ -214,9 +212,8 @@ class WarmPool:
             infra = str(e)
         duration = time.monotonic() - start
         files = diff_snapshots(before, snapshot(workspace))
-        return build_result(
-            reply["wait_status"], stdout, stderr, reply["timed_out"], duration, files, infra_error=infra
-        )
+        status, timed_out, memory = reply["wait_status"], reply["timed_out"], reply["memory_exceeded"]
+        return build_result(status, stdout, stderr, timed_out, duration, files, infra, memory)
 
     def close(self) -> None:
         with self._lock:

@@ -1,15 +1,25 @@
 """The process that runs inside the confinement: applies the limits, drops to the sandbox uid, runs snippets.
 
 Standard library only, and started as a script (never imported by mappa), so that it starts in tens of
-milliseconds and owns no state of the host. Two modes:
+milliseconds and owns no state of the host. Three modes:
 
-    runner.py once STATUS_FD CODE_FD SPEC_JSON   run one snippet; write its wait status to STATUS_FD
-    runner.py serve SOCK_FD PRELOAD_JSON         fork server: pre-import modules once, fork one child per snippet
+    runner.py [--mounts JSON] once STATUS_FD CODE_FD SPEC   one snippet; its wait status goes to STATUS_FD
+    runner.py [--mounts JSON] serve SOCK_FD PRELOAD_JSON    fork server: pre-import once, fork per snippet
+    runner.py [--mounts JSON] probe UID                     exit 0 when UID can import the standard library
 
-In both modes the snippet runs in a forked child, so its parent is this runner: a snippet that kills its
+`--mounts` (the fallback as root, inside `unshare -m`): cover private homes with an empty tmpfs and bind the
+Python installation back, so that the unprivileged sandbox uid can import it.
+
+In every mode the snippet runs in a forked child, so its parent is this runner: a snippet that kills its
 parent (`os.kill(os.getppid(), 9)`) hits a process of another uid (when root) or at worst this runner, never
 the trainer. The child starts a new session, sets its rlimits, drops to the workspace's uid, chdirs into the
 workspace and executes the code as a fresh `__main__` module.
+
+Memory is bounded by a watchdog, not an address-space limit (which counts what numpy, pyarrow or torch
+reserve rather than what they use): every WATCH_INTERVAL_S the runner sums the resident anonymous and
+shared memory (RssAnon + RssShmem; file-backed pages are page cache the kernel can drop) of the snippet's
+processes and kills them all when the sum passes `memory_mb`. A peak shorter than one interval can pass
+unnoticed; snippets also get the highest OOM score, so the kernel's OOM killer takes them before the host.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import json
 import linecache
 import os
 import resource
+import select
 import selectors
 import socket
 import sys
@@ -33,11 +44,76 @@ import types
 RUNNER_FAILED = 254
 RUNNER_TAG = "mappa-runner:"
 SNIPPET_NAME = "<snippet>"
+WATCH_INTERVAL_S = 0.05  # memory sampling period: ~0.1 ms of /proc reads per running snippet
+MS_NOSUID, MS_NODEV, MS_BIND, MS_REC = 2, 4, 4096, 16384
 
 
-def _vsz_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+def hide_private_dirs(mounts: dict) -> None:
+    """In a fresh mount namespace: an empty tmpfs over each of `mounts["tmpfs"]`, then `mounts["bind"]` bound back."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def mount(source: str, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+        enc = [x.encode() if x is not None else None for x in (source, target, fstype, data)]
+        if libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
+
+    # Open what is bound back before the tmpfs hides it, then bind it from the open descriptor.
+    fds = {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in mounts["bind"]}
+    for target in mounts["tmpfs"]:
+        mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
+    for path, fd in fds.items():
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None)
+        os.close(fd)
+
+
+def resident_bytes(pid: int) -> int:
+    """Resident anonymous + shared memory of one process (0 when it is gone or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            text = f.read()
+    except OSError:
+        return 0
+    kb = 0
+    for line in text.split(b"\n"):
+        if line.startswith((b"RssAnon:", b"RssShmem:")):
+            kb += int(line.split()[1])
+    return kb << 10
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(x) for x in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def snippet_pids(pid: int, uid: int | None) -> list[int]:
+    """The snippet's processes: all of its uid (exact, also those that left the tree), else its descendants."""
+    if uid is not None:
+        return pids_of_uid(uid)
+    tree, i = [pid], 0
+    while i < len(tree) and len(tree) < 4096:  # breadth-first; the cap bounds the cost of a fork bomb
+        tree += _children(tree[i])
+        i += 1
+    return tree
+
+
+def over_memory(pid: int, uid: int | None, limit_mb: int) -> list[int] | None:
+    """The snippet's processes when their resident memory is above the limit, else None."""
+    pids = snippet_pids(pid, uid)
+    return pids if sum(resident_bytes(p) for p in pids) > limit_mb << 20 else None
 
 
 def enter_snippet(spec: dict) -> None:
@@ -46,13 +122,12 @@ def enter_snippet(spec: dict) -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    memory = spec["memory_mb"] << 20
-    if spec.get("memory_on_top"):
-        # A pool child starts with the server's preloaded modules mapped (shared, copy-on-write): the
-        # snippet's budget is counted on top of them so that it matches a cold run's headroom.
-        memory += _vsz_bytes()
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")  # should memory run out before the watchdog acts, the kernel kills snippets first
+    except OSError:
+        pass
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resource.setrlimit(resource.RLIMIT_FSIZE, (spec["fsize_mb"] << 20, spec["fsize_mb"] << 20))
     resource.setrlimit(resource.RLIMIT_CPU, (spec["cpu_s"], spec["cpu_s"] + 1))
     # RLIMIT_NPROC counts the processes of the real uid; with a uid of its own per workspace it is exact.
@@ -130,7 +205,7 @@ def child(spec: dict, code: str) -> None:
         try:
             enter_snippet(spec)
         except BaseException as e:
-            os.write(2, f"{RUNNER_TAG} could not enter the sandbox: {e!r}\n".encode())
+            os.write(2, f"{RUNNER_TAG} could not enter the sandbox: {type(e).__name__}: {e}\n".encode())
             os._exit(RUNNER_FAILED)
         run_code(code)
     finally:
@@ -148,6 +223,29 @@ def _read_fd(fd: int) -> str:
     return b"".join(chunks).decode("utf-8", errors="replace")
 
 
+def wait_watching(pid: int, spec: dict) -> tuple[int, bool]:
+    """Wait for the snippet `pid`, killing all its processes if their memory passes the limit.
+
+    Returns (wait status, memory_exceeded).
+    """
+    pidfd = os.pidfd_open(pid)
+    exceeded = False
+    try:
+        while not select.select([pidfd], [], [], WATCH_INTERVAL_S)[0]:
+            if not exceeded:
+                pids = over_memory(pid, spec["uid"], spec["memory_mb"])
+                if pids is not None:
+                    exceeded = True
+                    stop(spec["uid"], pid, pids)
+    finally:
+        os.close(pidfd)
+    while True:
+        try:
+            return os.waitpid(pid, 0)[1], exceeded
+        except InterruptedError:
+            continue
+
+
 def main_once(status_fd: int, code_fd: int, spec: dict) -> None:
     code = _read_fd(code_fd)
     pid = os.fork()
@@ -155,19 +253,32 @@ def main_once(status_fd: int, code_fd: int, spec: dict) -> None:
         os.close(status_fd)
         child(spec, code)
     os.write(status_fd, (json.dumps({"pid": pid}) + "\n").encode())
-    while True:
-        try:
-            _, status = os.waitpid(pid, 0)
-            break
-        except InterruptedError:
-            continue
-    os.write(status_fd, (json.dumps({"wait_status": status}) + "\n").encode())
+    status, exceeded = wait_watching(pid, spec)
+    os.write(status_fd, (json.dumps({"wait_status": status, "memory_exceeded": exceeded}) + "\n").encode())
     os._exit(0)
 
 
-def _has_processes(uid: int) -> bool:
-    """Whether a live (non-zombie) process of `uid` other than this one is visible in /proc."""
+def main_probe(uid: int) -> None:
+    """Exit 0 when `uid` can import standard-library modules the runner has not imported yet."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            import csv  # noqa: F401
+            import pickle  # noqa: F401
+        except BaseException as e:
+            os.write(2, f"{RUNNER_TAG} uid {uid} cannot import the standard library: {e!r}\n".encode())
+            os._exit(1)
+        os._exit(0)
+    os._exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+
+
+def pids_of_uid(uid: int) -> list[int]:
+    """Live (non-zombie) processes of `uid` other than this one, as visible in /proc."""
     me = str(os.getpid())
+    out = []
     for name in os.listdir("/proc"):
         if not name.isdigit() or name == me:
             continue
@@ -176,10 +287,10 @@ def _has_processes(uid: int) -> bool:
                 continue
             with open(f"/proc/{name}/stat", "rb") as f:
                 if f.read().rsplit(b")", 1)[1].split()[0] != b"Z":
-                    return True
+                    out.append(int(name))
         except (OSError, IndexError):
             continue  # it exited while we looked
-    return False
+    return out
 
 
 def sweep(uid: int | None, pid: int) -> None:
@@ -204,11 +315,70 @@ def sweep(uid: int | None, pid: int) -> None:
                     os.kill(-1, 9)
                 except ProcessLookupError:
                     pass
-                if not _has_processes(uid):
+                if not pids_of_uid(uid):
                     break
         finally:
             os._exit(0)
     os.waitpid(helper, 0)
+
+
+def stop(uid: int | None, pid: int, pids: list[int]) -> None:
+    """Kill the snippet over its memory limit: the processes just measured, then the usual sweep."""
+    for p in pids:
+        try:
+            os.kill(p, 9)
+        except OSError:
+            pass
+    sweep(uid, pid)
+
+
+def _start_request(sock: socket.socket, running: dict[int, dict], sel: selectors.BaseSelector) -> None:
+    """Receive one request and fork its snippet; the child never returns from here."""
+    msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
+    if not msg:
+        os._exit(0)  # the host went away
+    req = json.loads(msg)
+    code_fd, out_fd, err_fd = fds
+    pid = os.fork()
+    if pid == 0:
+        sel.close()
+        sock.close()
+        for pidfd in running:
+            os.close(pidfd)
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        os.close(out_fd)
+        os.close(err_fd)
+        child(req["spec"], _read_fd(code_fd))
+    for fd in fds:
+        os.close(fd)
+    pidfd = os.pidfd_open(pid)
+    running[pidfd] = {
+        "id": req["id"],
+        "pid": pid,
+        "uid": req["spec"]["uid"],
+        "memory_mb": req["spec"]["memory_mb"],
+        "deadline": time.monotonic() + req["timeout_s"],
+        "timed_out": False,
+        "memory_exceeded": False,
+    }
+    sel.register(pidfd, selectors.EVENT_READ)
+
+
+def _police(running: dict[int, dict], watch: bool) -> None:
+    """Kill snippets past their deadline and, when `watch`, those over their memory limit."""
+    now = time.monotonic()
+    for r in running.values():
+        if r["timed_out"] or r["memory_exceeded"]:
+            continue
+        if now >= r["deadline"]:
+            r["timed_out"] = True
+            sweep(r["uid"], r["pid"])
+        elif watch:
+            pids = over_memory(r["pid"], r["uid"], r["memory_mb"])
+            if pids is not None:
+                r["memory_exceeded"] = True
+                stop(r["uid"], r["pid"], pids)
 
 
 def main_serve(sock_fd: int, preload: list[str]) -> None:
@@ -227,60 +397,43 @@ def main_serve(sock_fd: int, preload: list[str]) -> None:
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ)
     running: dict[int, dict] = {}  # pidfd -> request state
+    next_watch = time.monotonic()
     while True:
-        now = time.monotonic()
-        deadlines = [r["deadline"] for r in running.values() if not r["timed_out"]]
-        timeout = max(0.0, min(deadlines) - now) if deadlines else None
+        live = [r for r in running.values() if not (r["timed_out"] or r["memory_exceeded"])]
+        wake = [r["deadline"] for r in live] + ([next_watch] if live else [])
+        timeout = max(0.0, min(wake) - time.monotonic()) if wake else None
         for key, _ in sel.select(timeout):
             if key.fileobj is sock:
-                msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
-                if not msg:
-                    os._exit(0)  # the host went away
-                req = json.loads(msg)
-                code_fd, out_fd, err_fd = fds
-                pid = os.fork()
-                if pid == 0:
-                    sel.close()
-                    sock.close()
-                    for pidfd in running:
-                        os.close(pidfd)
-                    os.dup2(out_fd, 1)
-                    os.dup2(err_fd, 2)
-                    os.close(out_fd)
-                    os.close(err_fd)
-                    child(req["spec"], _read_fd(code_fd))
-                for fd in fds:
-                    os.close(fd)
-                pidfd = os.pidfd_open(pid)
-                running[pidfd] = {
-                    "id": req["id"],
-                    "pid": pid,
-                    "uid": req["spec"]["uid"],
-                    "deadline": time.monotonic() + req["timeout_s"],
-                    "timed_out": False,
-                }
-                sel.register(pidfd, selectors.EVENT_READ)
-            else:
-                pidfd = key.fileobj
-                r = running.pop(pidfd)
-                sel.unregister(pidfd)
-                os.close(pidfd)
-                _, status = os.waitpid(r["pid"], 0)
-                sweep(r["uid"], r["pid"])
-                reply = {"id": r["id"], "wait_status": status, "timed_out": r["timed_out"]}
-                sock.send(json.dumps(reply).encode())
-        now = time.monotonic()
-        for r in running.values():
-            if not r["timed_out"] and now >= r["deadline"]:
-                r["timed_out"] = True
-                sweep(r["uid"], r["pid"])
+                _start_request(sock, running, sel)
+                continue
+            pidfd = key.fileobj
+            r = running.pop(pidfd)
+            sel.unregister(pidfd)
+            os.close(pidfd)
+            _, status = os.waitpid(r["pid"], 0)
+            sweep(r["uid"], r["pid"])
+            reply = {k: r[k] for k in ("id", "timed_out", "memory_exceeded")}
+            sock.send(json.dumps({**reply, "wait_status": status}).encode())
+        watch = time.monotonic() >= next_watch
+        if watch:
+            next_watch = time.monotonic() + WATCH_INTERVAL_S
+        _police(running, watch)
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["--mounts"]:
+        hide_private_dirs(json.loads(argv[1]))
+        argv = argv[2:]
+    mode = argv[0]
+    if mode == "once":
+        main_once(int(argv[1]), int(argv[2]), json.loads(argv[3]))
+    elif mode == "serve":
+        main_serve(int(argv[1]), json.loads(argv[2]))
+    elif mode == "probe":
+        main_probe(int(argv[1]))
+    else:
+        raise SystemExit(f"{RUNNER_TAG} unknown mode {mode!r}")
 
 
 if __name__ == "__main__":
-    mode = sys.argv[1]
-    if mode == "once":
-        main_once(int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))
-    elif mode == "serve":
-        main_serve(int(sys.argv[2]), json.loads(sys.argv[3]))
-    else:
-        raise SystemExit(f"{RUNNER_TAG} unknown mode {mode!r}")
+    main(sys.argv[1:])

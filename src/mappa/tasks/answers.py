@@ -1,10 +1,13 @@
-"""Rule-based answer checking: the last `\\boxed{...}` of a reply against the gold answer, via math-verify.
+"""Rule-based answer checking: the final `\\boxed{...}` of a reply against the gold answer, via math-verify.
 
-The rules, chosen so that a reward can never come from a stray number:
-- the answer is the `\\boxed{...}` content; a reply without a box counts only through an explicit final-answer
-  statement with a plain number ("the answer is 80", "Answer: 80", "#### 80"): small models rarely box, and a
-  stray number elsewhere in the text never counts;
-- several boxes count only when they all hold equal answers (hedging with `\\boxed{80}` and `\\boxed{81}` is wrong);
+The rules, chosen so that a reward can never come from a stray number or a discarded candidate:
+- reasoning is not the answer: text inside `<think>...</think>` (or another pair of `REASONING_MARKERS`) is
+  ignored; an opening marker never closed (cut off by the token cap) hides the rest of the reply, and a
+  closing marker with no opening one (the chat template opened the block in the prompt) hides what precedes it;
+- the answer is the content of the last `\\boxed{...}` outside the reasoning: a reply that boxes a candidate,
+  rejects it and boxes another answers with the last one (so boxing several answers gains nothing);
+- a reply without a box counts only through an explicit final-answer statement with a plain number ("the
+  answer is 80", "Answer: 80", "#### 80"): small models rarely box, and a stray number never counts;
 - comparison is mathematical (math-verify + sympy): `080` = `80`, `1/2` = `0.5` = `\\frac{1}{2}`, `27.0` = `27`,
   `x=5` = `5`, `1,080` = `1080`, `336^\\circ` = `336`;
 - a gold answer may list alternatives joined by " or " (AIME 2022-II-8 accepts 080 or 081): any one matches.
@@ -23,6 +26,21 @@ from math_verify import parse, verify
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 _TIMEOUT_S = 5
+
+# (opening, closing) markers of a reasoning block, as reasoning models (DeepSeek-R1, Qwen3) write them.
+REASONING_MARKERS: tuple[tuple[str, str], ...] = (("<think>", "</think>"), ("<thinking>", "</thinking>"))
+
+
+def without_reasoning(text: str) -> str:
+    """`text` with every reasoning block removed (see the module docstring for unclosed markers)."""
+    for start, end in REASONING_MARKERS:
+        close, open_ = text.find(end), text.find(start)
+        if close >= 0 and (open_ < 0 or close < open_):  # the block was opened before the reply began
+            text = text[close + len(end) :]
+        while (open_ := text.find(start)) >= 0:
+            close = text.find(end, open_ + len(start))
+            text = text[:open_] if close < 0 else text[:open_] + text[close + len(end) :]
+    return text
 
 
 def boxed_contents(text: str) -> list[str]:
@@ -75,7 +93,8 @@ def _normalise(content: str) -> str:
 
 
 def extract_answer(text: str) -> str | None:
-    """The answer of a reply: the last non-empty box, else an explicitly stated number, else None."""
+    """The answer of a reply outside its reasoning: the last non-empty box, else an explicitly stated number."""
+    text = without_reasoning(text)
     boxes = [b for b in (_normalise(c) for c in boxed_contents(text)) if b]
     return boxes[-1] if boxes else stated_answer(text)
 
@@ -95,11 +114,6 @@ def _equal(gold: str, answer: str) -> bool:
 
 
 def check_answer(model_text: str, gold: str) -> bool:
-    """True when the reply's boxed answer equals the gold answer (or one of its " or " alternatives)."""
-    boxes = list(dict.fromkeys(b for b in (_normalise(c) for c in boxed_contents(model_text)) if b))
-    if not boxes:
-        stated = stated_answer(model_text)
-        return stated is not None and any(_equal(g, stated) for g in gold_alternatives(gold))
-    if any(not _equal(boxes[0], other) for other in boxes[1:]):  # several different answers: no answer
-        return False
-    return any(_equal(g, boxes[0]) for g in gold_alternatives(gold))
+    """True when the reply's final answer (`extract_answer`) equals the gold answer or one of its " or " alternatives."""
+    answer = extract_answer(model_text)
+    return answer is not None and any(_equal(g, answer) for g in gold_alternatives(gold))

@@ -1,30 +1,30 @@
 """Workflows: multiagent systems that play batches of episodes in lockstep.
 
-A workflow is a small protocol (`mappa.workflows.base.Workflow`: `name`, `agents`, `specs`, `run(...)`) and
-`WORKFLOWS` is the one explicit dict of them, name -> constructor taking a `WorkflowConfig`.
+A workflow is a small protocol (`mappa.protocols.Workflow`: `name`, `agents`, `run(tasks, runtime)`,
+`context(task, action)`) and `WORKFLOWS` is the one explicit dict of them, name -> constructor taking the
+config sections it reads. The valid names are `WorkflowConfig.name`'s (a test checks both agree).
 
-    workflow = build_workflow(cfg.workflow)          # MathChat(cfg.workflow)
-    episodes = workflow.run(policy, tasks, sandbox=sandbox, gen=cfg.generation, scorer=coach)
+    workflow = build_workflow(cfg)                       # MathChat(cfg.workflow, cfg.generation, cfg.sandbox)
+    episodes = workflow.run(tasks, Runtime(policy, sandbox, scorer=coach), seed=step_seed)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from mappa.config import WorkflowConfig
-from mappa.errors import MappaError
-from mappa.workflows.base import AgentSpec, Scorer, Workflow
+from mappa.config import Config, GenerationConfig, SandboxConfig, WorkflowConfig
+from mappa.protocols import Runtime, Workflow
+from mappa.workflows.base import AgentSpec, feedback_note
 from mappa.workflows.mathchat import MathChat
 
-WORKFLOWS: dict[str, Callable[[WorkflowConfig], Workflow]] = {
+WORKFLOWS: dict[str, Callable[[WorkflowConfig, GenerationConfig, SandboxConfig], Workflow]] = {
     "mathchat": MathChat,
 }
 
-__all__ = ["WORKFLOWS", "AgentSpec", "MathChat", "Scorer", "Workflow", "build_workflow"]
+__all__ = ["WORKFLOWS", "AgentSpec", "MathChat", "Runtime", "Workflow", "build_workflow", "feedback_note"]
 
 
-def build_workflow(cfg: WorkflowConfig) -> Workflow:
-    """The configured workflow; an unknown name is a one-line MappaError listing the known ones."""
-    if cfg.name not in WORKFLOWS:
-        raise MappaError(f"workflow.name: unknown workflow {cfg.name!r} (known: {', '.join(sorted(WORKFLOWS))})")
-    return WORKFLOWS[cfg.name](cfg)
+def build_workflow(cfg: Config, gen: GenerationConfig | None = None) -> Workflow:
+    """The configured workflow, reading `cfg.workflow`, `cfg.sandbox` and `gen` (default `cfg.generation`;
+    evaluation passes its own sampling settings)."""
+    return WORKFLOWS[cfg.workflow.name](cfg.workflow, gen or cfg.generation, cfg.sandbox)

@@ -1,7 +1,7 @@
-"""The pieces every workflow shares: agent specs, the Workflow protocol, and the lockstep stage runner.
+"""The pieces every workflow shares: agent specs, the lockstep batch driver, and the stage runner.
 
-A workflow drives all episodes of a batch in lockstep. One *stage* is one turn of one agent across every
-episode still waiting on it:
+A workflow drives all episodes of a batch in lockstep (`play_batch`). One *stage* is one turn of one agent
+across every episode still waiting on it:
 
     fit each prompt to the context cap -> one batched policy.generate -> run all extracted code at once
     (sandbox.run_many) -> build Action records -> one scorer call for the whole stage -> attach scores
@@ -12,20 +12,17 @@ ends its own episode (recorded in `Episode.meta["error"]`), never the batch.
 
 from __future__ import annotations
 
-import time
+import random
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
-
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from typing import Any
 
 from mappa.config import GenerationConfig
-from mappa.types import Action, CoachContext, CoachScore, Episode, ExecResult, Message, Task
-
-Scorer = Callable[[Sequence[CoachContext]], list[CoachScore]]
-
-NO_TOOL = "no tool used"
+from mappa.protocols import PolicyLike, ProgressFn, Runtime, Scorer
+from mappa.sandbox import new_workspace, remove_workspace
+from mappa.types import Action, CoachContext, CoachScore, ExecResult, Message, Task
 
 
 @dataclass(frozen=True)
@@ -38,26 +35,6 @@ class AgentSpec:
     max_turns: int  # turn cap within one episode
     tools: tuple[str, ...] = ()  # ("python",): every ```python block of an action runs
     sees: str = ""  # what it sees of earlier agents, for docs and the coach
-
-
-class Workflow(Protocol):
-    """A multiagent system: `agents` names the weights it needs; `run` plays a batch of episodes in lockstep."""
-
-    name: str
-    agents: tuple[str, ...]
-    specs: tuple[AgentSpec, ...]
-
-    def run(
-        self,
-        policy: Any,
-        tasks: Sequence[Task],
-        *,
-        sandbox: Any,
-        gen: GenerationConfig,
-        scorer: Scorer | None = None,
-        show_coach_feedback: bool = False,
-        progress: bool | Progress = True,
-    ) -> list[Episode]: ...
 
 
 @dataclass
@@ -81,6 +58,90 @@ class Turn:
     build: Callable[[int | None], list[Message]]  # char budget for embedded text (None: no clipping) -> messages
 
 
+class ActionCount:
+    """Reports (done, total) actions of a batch to a progress callback; the total shrinks as episodes stop."""
+
+    def __init__(self, progress: ProgressFn | None, total: int) -> None:
+        self.progress = progress
+        self.done = 0
+        self.total = total
+
+    def _report(self) -> None:
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        self._report()
+
+    def drop(self, n: int) -> None:
+        """`n` actions will not happen (episodes that stopped early)."""
+        if n:
+            self.total = max(self.total - n, self.done)
+            self._report()
+
+
+@dataclass
+class Batch:
+    """One batch in flight: what it is played with, its sampling settings, its episodes and its progress."""
+
+    rt: Runtime
+    gen: GenerationConfig
+    states: list[EpisodeState]
+    count: ActionCount
+    rng: random.Random | None  # draws one sampling seed per stage; None: the policy's own randomness
+
+    def stage_seed(self) -> int | None:
+        return None if self.rng is None else self.rng.randrange(2**63)
+
+
+def play_batch(
+    tasks: Sequence[Task],
+    rt: Runtime,
+    gen: GenerationConfig,
+    play: Callable[[Batch], None],
+    *,
+    actions_per_episode: int,
+    keep_workspaces: bool,
+    seed: int | None,
+    progress: ProgressFn | None,
+) -> list[EpisodeState]:
+    """One episode state per task, each with a fresh workspace, played by `play`; workspaces are removed after
+    (unless kept for inspection). Episode ids are unique per call: `<task id>#<batch tag>-<index>`."""
+    tag = uuid.uuid4().hex[:8]
+    states = [EpisodeState(f"{t.id}#{tag}-{i}", t, new_workspace(keep=keep_workspaces)) for i, t in enumerate(tasks)]
+    count = ActionCount(progress, len(states) * actions_per_episode)
+    try:
+        play(Batch(rt, gen, states, count, None if seed is None else random.Random(seed)))
+    finally:
+        for s in states:
+            remove_workspace(s.workspace)
+    return states
+
+
+def episode_meta(s: EpisodeState, kept: bool) -> dict[str, Any]:
+    """What every workflow records of an episode's run in `Episode.meta`."""
+    results = [a.exec_result for a in s.actions if a.exec_result is not None]
+    meta: dict[str, Any] = {
+        "sandbox_s": round(s.sandbox_s, 4),
+        "tool_calls": len(results),
+        "code_errors": sum(not r.ok for r in results),
+        "clipped_prompts": s.clipped_prompts,
+    }
+    if s.error is not None:
+        meta["error"] = s.error
+    if kept:
+        meta["workspace"] = str(s.workspace)
+    return meta
+
+
+def feedback_note(agent: str, score: CoachScore) -> str:
+    """The text later agents see of an earlier action's judgment when `workflow.show_coach_feedback` is on."""
+    if score.score is None:
+        return f"Coach feedback on {agent}: unscored."
+    return f"Coach feedback on {agent} ({score.score:g}/10): {score.rationale}"
+
+
 def clip_middle(text: str, budget: int | None) -> str:
     """Keep the head and tail of `text` within `budget` characters (None: unchanged), marking the cut."""
     if budget is None or len(text) <= budget:
@@ -92,7 +153,7 @@ def clip_middle(text: str, budget: int | None) -> str:
 
 
 def fit_messages(
-    policy: Any, build: Callable[[int | None], list[Message]], max_tokens: int
+    policy: PolicyLike, build: Callable[[int | None], list[Message]], max_tokens: int
 ) -> tuple[list[Message], int, bool] | None:
     """Messages within `max_tokens` prompt tokens: first unclipped, then with shrinking embedded text.
 
@@ -113,14 +174,31 @@ def fit_messages(
     return None
 
 
+def _fit_turns(
+    batch: Batch, spec: AgentSpec, turns: Sequence[Turn], turn_index: int
+) -> list[tuple[Turn, list[Message]]]:
+    live = []
+    cap = batch.gen.max_context_tokens
+    for turn in turns:
+        fitted = fit_messages(batch.rt.policy, turn.build, cap)
+        if fitted is None:
+            turn.state.error = (
+                f"{spec.name} turn {turn_index + 1}: prompt exceeds generation.max_context_tokens={cap} "
+                "even with earlier text cut"
+            )
+            continue
+        messages, _, clipped = fitted
+        turn.state.clipped_prompts += clipped
+        live.append((turn, messages))
+    return live
+
+
 def run_stage(
-    policy: Any,
+    batch: Batch,
     spec: AgentSpec,
     turns: Sequence[Turn],
     *,
     turn_index: int,
-    sandbox: Any,
-    gen: GenerationConfig,
     extract_code: Callable[[str], list[str]],
 ) -> list[tuple[Turn, Action]]:
     """Generate one action for every turn (one batched call) and run its code; returns the live turns' actions.
@@ -128,27 +206,18 @@ def run_stage(
     Code: every ```python block of an action is joined, in order, into one snippet that runs once in the
     episode's workspace (so later blocks see earlier blocks' variables, as in a notebook cell).
     """
-    live: list[tuple[Turn, list[Message]]] = []
-    for turn in turns:
-        fitted = fit_messages(policy, turn.build, gen.max_context_tokens)
-        if fitted is None:
-            turn.state.error = (
-                f"{spec.name} turn {turn_index + 1}: prompt exceeds generation.max_context_tokens="
-                f"{gen.max_context_tokens} even with earlier text cut"
-            )
-            continue
-        messages, _, clipped = fitted
-        turn.state.clipped_prompts += clipped
-        live.append((turn, messages))
+    live = _fit_turns(batch, spec, turns, turn_index)
     if not live:
         return []
-    generations = policy.generate(
+    gen = batch.gen
+    generations = batch.rt.policy.generate(
         spec.name,
         [messages for _, messages in live],
         temperature=gen.temperature,
         top_p=gen.top_p,
         max_new_tokens=gen.max_new_tokens,
         max_context_tokens=gen.max_context_tokens,
+        seed=batch.stage_seed(),
         batch_size=gen.batch_size,
     )
     codes: list[str | None] = [None] * len(live)
@@ -159,7 +228,7 @@ def run_stage(
     to_run = [i for i, c in enumerate(codes) if c is not None]
     results: dict[int, ExecResult] = {}
     if to_run:
-        ran = sandbox.run_many([(codes[i], live[i][0].state.workspace) for i in to_run])
+        ran = batch.rt.sandbox.run_many([(codes[i], live[i][0].state.workspace) for i in to_run])
         results = dict(zip(to_run, ran, strict=True))
     out = []
     for i, ((turn, messages), g) in enumerate(zip(live, generations, strict=True)):
@@ -191,47 +260,3 @@ def score_stage(
     if len(scores) != len(stage):
         raise RuntimeError(f"scorer returned {len(scores)} scores for {len(stage)} actions")
     return [(turn, action.model_copy(update={"coach": s})) for (turn, action), s in zip(stage, scores, strict=True)]
-
-
-class StageProgress:
-    """A rich bar over the actions of a batch; the total shrinks as episodes stop early."""
-
-    def __init__(self, progress: bool | Progress, label: str, total: int) -> None:
-        self._own = progress is True
-        self._bar: Progress | None
-        if progress is True:
-            self._bar = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                transient=True,
-            )
-            self._bar.start()
-        else:
-            self._bar = progress or None
-        self._label = label
-        self._task = self._bar.add_task(label, total=total) if self._bar is not None else None
-        self.started = time.perf_counter()
-
-    def stage(self, text: str) -> None:
-        if self._bar is not None:
-            self._bar.update(self._task, description=f"{self._label}: {text}")
-
-    def advance(self, n: int = 1) -> None:
-        if self._bar is not None:
-            self._bar.advance(self._task, n)
-
-    def drop(self, n: int) -> None:
-        """`n` actions will not happen (episodes that stopped early)."""
-        if self._bar is not None and n:
-            total = self._bar.tasks[self._bar.task_ids.index(self._task)].total or 0
-            self._bar.update(self._task, total=max(total - n, 0))
-
-    def close(self) -> None:
-        if self._bar is None:
-            return
-        if self._own:
-            self._bar.stop()
-        else:
-            self._bar.remove_task(self._task)

@@ -12,33 +12,31 @@ the episode's workspace; the observation comes back as a user turn `<tool_respon
 It stops at an action without code or at its turn cap (the last action's code still runs, so the Verifier
 sees its output). Every Action records exactly the messages its agent saw, including earlier turns.
 
-With `show_coach_feedback`, the coach scores each stage before the next one starts and an agent's prompt
-carries the coach's note on every earlier action whose text it is shown (off by default, as in the
-published code).
+With `workflow.show_coach_feedback`, an agent's prompt carries the coach's note on every earlier action whose
+text it is shown (off by default, as in the published code; without a coach, as in evaluation, there is no
+note to show). Every stage is scored before the next one starts either way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from collections.abc import Sequence
-from typing import Any
 
-from rich.progress import Progress
-
-from mappa.config import GenerationConfig, WorkflowConfig
-from mappa.sandbox import new_workspace, remove_workspace
+from mappa.config import GenerationConfig, SandboxConfig, WorkflowConfig
+from mappa.errors import MappaError
+from mappa.protocols import ProgressFn, Runtime
 from mappa.sandbox.codeblocks import extract_code_blocks, format_observation
 from mappa.tasks import check_answer, extract_answer
 from mappa.types import Action, CoachContext, Episode, ExecResult, Message, Task
 from mappa.workflows.base import (
-    NO_TOOL,
     AgentSpec,
+    Batch,
     EpisodeState,
-    Scorer,
-    StageProgress,
     Turn,
     clip_middle,
+    episode_meta,
+    feedback_note,
+    play_batch,
     run_stage,
     score_stage,
 )
@@ -97,45 +95,54 @@ VERIFIER_ASK = "Check the work, then give the final answer in the form \\boxed{.
 VERIFIER_ASK_SHORT = "Reply with one line only: The answer is <number>."
 
 
-def tool_response(result: ExecResult, max_chars: int = 2000) -> str:
+def tool_response(result: ExecResult, max_chars: int) -> str:
     """The user turn that carries a code run's observation back to the agent."""
     return f"<tool_response>\n{format_observation(result, max_chars=max_chars)}\n</tool_response>"
 
 
 class MathChat:
-    """The MathChat workflow; `MathChat(cfg.workflow).run(policy, tasks, sandbox=..., gen=...)`."""
+    """The MathChat workflow: `MathChat(cfg.workflow, cfg.generation, cfg.sandbox).run(tasks, Runtime(...))`.
+
+    It reads its settings here, once: the Code Executor's turn cap and the feedback switch (`workflow`),
+    the sampling settings and token caps (`gen`), and from `sandbox` the longest tool observation an agent
+    and the coach see (`observation_chars`) and whether workspaces are kept.
+    """
 
     name = "mathchat"
 
-    def __init__(self, cfg: WorkflowConfig | None = None) -> None:
+    def __init__(
+        self,
+        cfg: WorkflowConfig | None = None,
+        gen: GenerationConfig | None = None,
+        sandbox: SandboxConfig | None = None,
+    ) -> None:
         cfg = cfg or WorkflowConfig()
+        sandbox = sandbox or SandboxConfig()
+        self.gen = gen or GenerationConfig()
+        self.show_feedback = cfg.show_coach_feedback
+        self.observation_chars = sandbox.observation_chars
+        self.keep_workspaces = sandbox.keep_workspaces
         self.coder = dataclasses.replace(CODER, max_turns=cfg.coder_max_turns)
         self.specs = (SOLVER, self.coder, VERIFIER)
         self.agents = tuple(s.name for s in self.specs)
 
-    def role(self, spec: AgentSpec, gen: GenerationConfig) -> str:
-        return spec.role.format(budget=gen.max_new_tokens, turns=spec.max_turns)
+    def role(self, spec: AgentSpec) -> str:
+        return spec.role.format(budget=self.gen.max_new_tokens, turns=spec.max_turns)
 
     # ---------------------------------------------------------------------------------------------- prompts
-    def solver_messages(self, task: Task, gen: GenerationConfig) -> list[Message]:
+    def solver_messages(self, task: Task) -> list[Message]:
         return [
-            Message(role="system", content=self.role(SOLVER, gen)),
+            Message(role="system", content=self.role(SOLVER)),
             Message(role="user", content=f"Problem:\n{task.problem}\n\n{SOLVER_ASK}"),
         ]
 
     def coder_messages(
-        self,
-        task: Task,
-        solver: Action,
-        history: Sequence[tuple[Action, str]],
-        gen: GenerationConfig,
-        feedback: str,
-        budget: int | None,
+        self, task: Task, solver: Action, history: Sequence[tuple[Action, str]], feedback: str, budget: int | None
     ) -> list[Message]:
         """The Code Executor's chat: the problem + the Solver's output, then its own earlier turns."""
         first = f"Problem:\n{task.problem}\n\nThe Problem Solver's answer:\n{clip_middle(solver.text, budget)}"
         messages = [
-            Message(role="system", content=self.role(self.coder, gen)),
+            Message(role="system", content=self.role(self.coder)),
             Message(role="user", content=f"{first}{feedback}\n\n{CODER_ASK}"),
         ]
         for action, observation in history:
@@ -148,13 +155,7 @@ class MathChat:
         return VERIFIER_ASK_SHORT if task.source == "arithmetic" else VERIFIER_ASK
 
     def verifier_messages(
-        self,
-        task: Task,
-        coder_final: Action,
-        last_output: str | None,
-        gen: GenerationConfig,
-        feedback: str,
-        budget: int | None,
+        self, task: Task, coder_final: Action, last_output: str | None, feedback: str, budget: int | None
     ) -> list[Message]:
         """The Verifier's chat: the problem + only the Code Executor's final action and the last tool output."""
         output = last_output if last_output is not None else "(no code was run)"
@@ -163,116 +164,102 @@ class MathChat:
             f"\n\nLast tool output:\n{clip_middle(output, budget)}"
         )
         return [
-            Message(role="system", content=self.role(VERIFIER, gen)),
+            Message(role="system", content=self.role(VERIFIER)),
             Message(role="user", content=f"{content}{feedback}\n\n{self.verifier_ask(task)}"),
         ]
 
     # ------------------------------------------------------------------------------------------------- coach
-    def context(self, spec: AgentSpec, task: Task, action: Action, gen: GenerationConfig) -> CoachContext:
+    def context(self, task: Task, action: Action) -> CoachContext:
+        """The coach's evidence for one action: exactly what its agent saw, its raw output and its tool call."""
+        spec = next((s for s in self.specs if s.name == action.agent), None)
+        if spec is None:
+            raise MappaError(
+                f"agent {action.agent!r} is not part of workflow {self.name!r} ({', '.join(self.agents)})"
+            )
         is_final = spec.name == VERIFIER.name
-        observation = format_observation(action.exec_result) if action.exec_result is not None else NO_TOOL
+        result = action.exec_result
         return CoachContext(
             task=task.problem,
             workflow=self.name,
             agent=spec.name,
-            role=self.role(spec, gen),
+            role=self.role(spec),
             is_final=is_final,
             messages=action.messages,
             output=action.text,
-            observation=observation,
+            exec_result=result,
+            observation="" if result is None else format_observation(result, self.observation_chars),
             ground_truth=task.answer if is_final else None,  # the coach judges earlier agents on evidence only
             extra={"tools": list(spec.tools)},  # what the agent could use: judged on code only if it had a tool
         )
 
     # --------------------------------------------------------------------------------------------------- run
     def run(
-        self,
-        policy: Any,
-        tasks: Sequence[Task],
-        *,
-        sandbox: Any,
-        gen: GenerationConfig,
-        scorer: Scorer | None = None,
-        show_coach_feedback: bool = False,
-        progress: bool | Progress = True,
+        self, tasks: Sequence[Task], rt: Runtime, *, seed: int | None = None, progress: ProgressFn | None = None
     ) -> list[Episode]:
         """Play one episode per task, all in lockstep; returns episodes in task order."""
-        if show_coach_feedback and scorer is None:
-            raise ValueError("show_coach_feedback needs a scorer: there is no coach feedback to show")
-        tag = uuid.uuid4().hex[:8]
-        keep = sandbox.cfg.keep_workspaces
-        states = [EpisodeState(f"{t.id}#{tag}-{i}", t, new_workspace(keep=keep)) for i, t in enumerate(tasks)]
-        bar = StageProgress(progress, self.name, len(states) * (2 + self.coder.max_turns))
-        try:
-            self._play(policy, states, sandbox, gen, scorer, show_coach_feedback, bar)
-        finally:
-            bar.close()
-            for s in states:
-                remove_workspace(s.workspace)
-        return [self._episode(s, keep) for s in states]
+        if not tasks:
+            return []
+        states = play_batch(
+            tasks,
+            rt,
+            self.gen,
+            self._play,
+            actions_per_episode=2 + self.coder.max_turns,
+            keep_workspaces=self.keep_workspaces,
+            seed=seed,
+            progress=progress,
+        )
+        return [self._episode(s) for s in states]
 
-    def _play(
-        self,
-        policy: Any,
-        states: list[EpisodeState],
-        sandbox: Any,
-        gen: GenerationConfig,
-        scorer: Scorer | None,
-        show_feedback: bool,
-        bar: StageProgress,
-    ) -> None:
-        def note(spec: AgentSpec, action: Action) -> str:
-            if not show_feedback or action.coach is None:
-                return ""
-            from mappa.coach import feedback_note
+    def _note(self, spec: AgentSpec, action: Action) -> str:
+        if not self.show_feedback or action.coach is None:
+            return ""
+        return "\n\n" + feedback_note(spec.title, action.coach)
 
-            return "\n\n" + feedback_note(spec.title, action.coach)
+    def _stage(self, batch: Batch, spec: AgentSpec, turns: list[Turn], turn_index: int) -> list[tuple[Turn, Action]]:
+        done = run_stage(batch, spec, turns, turn_index=turn_index, extract_code=extract_code_blocks)
+        contexts = [self.context(t.state.task, a) for t, a in done]
+        done = score_stage(done, contexts, batch.rt.scorer)
+        for turn, action in done:
+            turn.state.actions.append(action)
+        batch.count.advance(len(turns))
+        return done
 
-        def stage(spec: AgentSpec, turns: list[Turn], turn_index: int) -> list[tuple[Turn, Action]]:
-            bar.stage(f"{spec.name} turn {turn_index + 1} ({len(turns)} episodes)")
-            done = run_stage(
-                policy, spec, turns, turn_index=turn_index, sandbox=sandbox, gen=gen, extract_code=extract_code_blocks
-            )
-            contexts = [self.context(spec, t.state.task, a, gen) for t, a in done]
-            done = score_stage(done, contexts, scorer)
-            for turn, action in done:
-                turn.state.actions.append(action)
-            bar.advance(len(turns))
-            return done
-
+    def _play(self, batch: Batch) -> None:
+        states, count, max_turns = batch.states, batch.count, self.coder.max_turns
         # Stage 1: the Problem Solver, one turn.
-        turns = [Turn(s, lambda budget, s=s: self.solver_messages(s.task, gen)) for s in states]
-        solved = {id(t.state): a for t, a in stage(SOLVER, turns, 0)}
-        bar.drop((len(states) - len(solved)) * (1 + self.coder.max_turns))
+        turns = [Turn(s, lambda budget, s=s: self.solver_messages(s.task)) for s in states]
+        solved = {id(t.state): a for t, a in self._stage(batch, SOLVER, turns, 0)}
+        count.drop((len(states) - len(solved)) * (1 + max_turns))
 
-        # Stage 2: the Code Executor, up to coder.max_turns turns; an action without code ends its turns.
+        # Stage 2: the Code Executor, up to max_turns turns; an action without code ends its turns.
         history: dict[int, list[tuple[Action, str]]] = {id(s): [] for s in states}
         last_output: dict[int, str | None] = {id(s): None for s in states}
         coder_final: dict[int, Action] = {}
         waiting = [s for s in states if id(s) in solved]
-        for k in range(self.coder.max_turns):
+        for k in range(max_turns):
             turns = [
                 Turn(
                     s,
                     lambda budget, s=s: self.coder_messages(
-                        s.task, solved[id(s)], history[id(s)], gen, note(SOLVER, solved[id(s)]), budget
+                        s.task, solved[id(s)], history[id(s)], self._note(SOLVER, solved[id(s)]), budget
                     ),
                 )
                 for s in waiting
             ]
-            done = stage(self.coder, turns, k)
+            done = self._stage(batch, self.coder, turns, k)
             waiting = []
             for turn, action in done:
                 key = id(turn.state)
                 coder_final[key] = action
                 if action.exec_result is None:
                     continue
-                observation = tool_response(action.exec_result, sandbox.cfg.observation_chars)
+                observation = tool_response(action.exec_result, self.observation_chars)
                 last_output[key] = observation
                 history[key].append((action, observation))
-                if k + 1 < self.coder.max_turns:
+                if k + 1 < max_turns:
                     waiting.append(turn.state)
-            bar.drop((len(turns) - len(waiting)) * (self.coder.max_turns - k - 1) + len(turns) - len(done))
+            count.drop((len(turns) - len(waiting)) * (max_turns - k - 1) + len(turns) - len(done))
 
         # Stage 3: the Verifier, one turn, on the Code Executor's final action and the last tool output.
         finals = [s for s in states if id(s) in coder_final]
@@ -280,26 +267,15 @@ class MathChat:
             Turn(
                 s,
                 lambda budget, s=s: self.verifier_messages(
-                    s.task, coder_final[id(s)], last_output[id(s)], gen, note(self.coder, coder_final[id(s)]), budget
+                    s.task, coder_final[id(s)], last_output[id(s)], self._note(self.coder, coder_final[id(s)]), budget
                 ),
             )
             for s in finals
         ]
-        stage(VERIFIER, turns, 0)
+        self._stage(batch, VERIFIER, turns, 0)
 
-    def _episode(self, s: EpisodeState, kept: bool) -> Episode:
+    def _episode(self, s: EpisodeState) -> Episode:
         verifier = next((a for a in s.actions if a.agent == VERIFIER.name), None)
-        results = [a.exec_result for a in s.actions if a.exec_result is not None]
-        meta: dict[str, Any] = {
-            "sandbox_s": round(s.sandbox_s, 4),
-            "tool_calls": len(results),
-            "code_errors": sum(not r.ok for r in results),
-            "clipped_prompts": s.clipped_prompts,
-        }
-        if s.error is not None:
-            meta["error"] = s.error
-        if kept:
-            meta["workspace"] = str(s.workspace)
         return Episode(
             id=s.id,
             workflow=self.name,
@@ -307,5 +283,5 @@ class MathChat:
             actions=tuple(s.actions),
             final_answer=extract_answer(verifier.text) if verifier is not None else None,
             correct=check_answer(verifier.text, s.task.answer) if verifier is not None else False,
-            meta=meta,
+            meta=episode_meta(s, self.keep_workspaces),
         )

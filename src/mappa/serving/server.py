@@ -4,7 +4,7 @@ Endpoints: `GET /v1/models`, `POST /v1/chat/completions` (messages, temperature,
 logprobs, top_logprobs, seed; `model` is the base name or an agent name from the checkpoint), plus
 `GET /health` and `GET /stats` (batching counters). Requests for the same model and sampling
 settings are batched continuously: a request joins the running batch at the next decode step and
-leaves it when its reply is done (`mappa.coach.engine.ChatEngine`).
+leaves it when its reply is done (`mappa.serving.engine.ChatEngine`).
 Not supported: streaming, n > 1, stop sequences, tools; those are rejected with HTTP 400 rather
 than silently ignored. Temperature 0 is greedy decoding.
 
@@ -26,8 +26,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from mappa.coach.engine import PLACEHOLDER_AGENT, ChatEngine, ChatRequest, load_policy
 from mappa.errors import MappaError
+from mappa.policy import Generation, Policy
+from mappa.serving.engine import ChatEngine, ChatRequest
 from mappa.types import Message
 
 MAX_TOP_LOGPROBS = 20
@@ -106,32 +107,26 @@ def _messages(req: ChatCompletionIn) -> tuple[Message, ...]:
 
 
 def create_app(
-    policy: Any,
+    policy: Policy,
     base_name: str,
     agents: Sequence[str] | None = None,
     *,
     max_batch: int = 16,
     default_max_tokens: int = 256,
     prefix_cache_mib: float = 512,
+    engine: ChatEngine | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `policy`: `base_name` is the base (adapters off), `agents` (default: the
-    policy's agents) are served by name with their own weights."""
+    policy's agents) are served by name with their own weights. `engine`: anything with ChatEngine's
+    `chat`, `token_text` and `stats` (default: a ChatEngine over `policy`; benchmarks pass others)."""
     agents = tuple(policy.agents if agents is None else agents)
-    engine = ChatEngine(policy, max_batch=max_batch, prefix_cache_mib=prefix_cache_mib)
+    if engine is None:
+        engine = ChatEngine(policy, max_batch=max_batch, prefix_cache_mib=prefix_cache_mib)
     created = int(time.time())
     names = {base_name: None, **{a: a for a in agents}}
     app = FastAPI(title="mappa serve", docs_url=None, redoc_url=None)
     app.state.engine = engine
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return _error(e.status, e.message, e.type, e.param)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"] if p != "body")
-        return _error(400, f"{loc}: {first['msg']}", param=loc or None)
+    _add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -148,67 +143,89 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionIn) -> JSONResponse:
-        _check_supported(req)
-        if req.model not in names:
-            raise APIError(
-                404, f"model {req.model!r} not found (served: {', '.join(names)})", "not_found_error", "model"
-            )
-        k = (req.top_logprobs or 0) if req.logprobs else 0
-        request = ChatRequest(
-            agent=names[req.model],
-            messages=_messages(req),
-            temperature=req.temperature,
-            top_p=req.top_p,
-            max_tokens=req.max_completion_tokens or req.max_tokens or default_max_tokens,
-            top_logprobs=k,
-            seed=req.seed,
-        )
+        request = _chat_request(req, names, default_max_tokens)
         try:
             gen = await engine.chat(request)
         except MappaError as e:
             raise APIError(400, str(e)) from None
         except Exception as e:  # noqa: BLE001 - reported to the client; the server keeps running
             raise APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from None
-        eos = set(policy.eos_ids)
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": gen.text},
-            "finish_reason": "length" if gen.truncated else "stop",
-            "logprobs": None,
-        }
-        if req.logprobs:
-            content = []
-            for pos, (tid, lp) in enumerate(zip(gen.response_ids, gen.logprobs, strict=True)):
-                if tid in eos:
-                    continue  # like OpenAI: the stop token is not part of the content
-                token = engine.token_text(tid)
-                top = []
-                if k and gen.top_logprobs is not None:
-                    for alt, alp in gen.top_logprobs[pos][:k]:
-                        alt_text = engine.token_text(alt)
-                        top.append({"token": alt_text, "logprob": alp, "bytes": list(alt_text.encode("utf-8"))})
-                content.append(
-                    {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8")), "top_logprobs": top}
-                )
-            choice["logprobs"] = {"content": content, "refusal": None}
         # A JSONResponse skips FastAPI's jsonable_encoder, which took ~24 ms for 64 tokens with top-20
         # logprobs (json.dumps: 1.5 ms) on the event loop that every other request waits on.
-        return JSONResponse(
-            {
-                "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": req.model,
-                "choices": [choice],
-                "usage": {
-                    "prompt_tokens": len(gen.prompt_ids),
-                    "completion_tokens": len(gen.response_ids),
-                    "total_tokens": len(gen.prompt_ids) + len(gen.response_ids),
-                },
-            }
-        )
+        return JSONResponse(_completion(req, gen, engine, frozenset(policy.eos_ids)))
 
     return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """OpenAI-style error bodies for our own errors and for request validation."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return _error(e.status, e.message, e.type, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"] if p != "body")
+        return _error(400, f"{loc}: {first['msg']}", param=loc or None)
+
+
+def _chat_request(req: ChatCompletionIn, names: dict[str, str | None], default_max_tokens: int) -> ChatRequest:
+    """The engine request for a validated body; unsupported options and unknown models are API errors."""
+    _check_supported(req)
+    if req.model not in names:
+        raise APIError(404, f"model {req.model!r} not found (served: {', '.join(names)})", "not_found_error", "model")
+    return ChatRequest(
+        agent=names[req.model],
+        messages=_messages(req),
+        temperature=req.temperature,
+        top_p=req.top_p,
+        max_tokens=req.max_completion_tokens or req.max_tokens or default_max_tokens,
+        top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+        seed=req.seed,
+    )
+
+
+def _completion(req: ChatCompletionIn, gen: Generation, engine: ChatEngine, eos: frozenset[int]) -> dict[str, Any]:
+    """The chat.completion body for one generation."""
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": gen.text},
+        "finish_reason": "length" if gen.truncated else "stop",
+        "logprobs": None,
+    }
+    if req.logprobs:
+        content = _logprobs_content(gen, req.top_logprobs or 0, engine, eos)
+        choice["logprobs"] = {"content": content, "refusal": None}
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": len(gen.prompt_ids),
+            "completion_tokens": len(gen.response_ids),
+            "total_tokens": len(gen.prompt_ids) + len(gen.response_ids),
+        },
+    }
+
+
+def _logprobs_content(gen: Generation, k: int, engine: ChatEngine, eos: frozenset[int]) -> list[dict[str, Any]]:
+    """OpenAI's `logprobs.content`: one entry per response token, the stop token left out (as OpenAI does)."""
+    content = []
+    for pos, (tid, lp) in enumerate(zip(gen.response_ids, gen.logprobs, strict=True)):
+        if tid in eos:
+            continue
+        token = engine.token_text(tid)
+        top = []
+        if k and gen.top_logprobs is not None:
+            for alt, alp in gen.top_logprobs[pos][:k]:
+                alt_text = engine.token_text(alt)
+                top.append({"token": alt_text, "logprob": alp, "bytes": list(alt_text.encode("utf-8"))})
+        content.append({"token": token, "logprob": lp, "bytes": list(token.encode("utf-8")), "top_logprobs": top})
+    return content
 
 
 @dataclass
@@ -224,7 +241,7 @@ class RunningServer:
         self.thread.join(timeout=10)
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # asyncio only disables Nagle on sockets created with proto=IPPROTO_TCP; without it every response
@@ -245,7 +262,7 @@ def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Runnin
     """Serve `app` in a daemon thread on a socket bound before returning (port 0: a free port)."""
     import uvicorn
 
-    sock = _bind(host, port)
+    sock = bind(host, port)
     bound_port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="mappa-serve", daemon=True)
@@ -258,7 +275,7 @@ def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Runnin
     return RunningServer(url=f"http://{host}:{bound_port}/v1", server=server, thread=thread)
 
 
-def served_names(policy: Any, model: str, adapters: str | None) -> tuple[str, tuple[str, ...]]:
+def served_names(policy: Policy, model: str, adapters: str | None) -> tuple[str, tuple[str, ...]]:
     """(base model name, agent names) that `mappa serve` answers to.
 
     A plain model is served under the name it was given. A checkpoint's base is served under its
@@ -271,42 +288,4 @@ def served_names(policy: Any, model: str, adapters: str | None) -> tuple[str, tu
     return ("base" if base_name in agents else base_name), agents
 
 
-def serve_command(
-    model: str,
-    adapters: str | None,
-    host: str,
-    port: int,
-    max_batch: int,
-    prefix_cache_mib: float = 512,
-    threads: int | None = None,
-) -> int:
-    """`mappa serve`: load the model (and the checkpoint's agents), then serve until Ctrl-C."""
-    import uvicorn
-    from rich.console import Console
-
-    if max_batch < 1:
-        raise MappaError(f"--max-batch must be >= 1 (got {max_batch})")
-    if prefix_cache_mib < 0:
-        raise MappaError(f"--prefix-cache-mib must be >= 0 (got {prefix_cache_mib})")
-    if threads is not None:
-        if threads < 1:
-            raise MappaError(f"--threads must be >= 1 (got {threads})")
-        import torch
-
-        # Fewer threads than cores leaves room for clients on the same machine: small models gain
-        # little from intra-op threads, and threads that wait on a busy core stall every op.
-        torch.set_num_threads(threads)
-    console = Console(stderr=True)
-    sock = _bind(host, port)  # fail fast on a taken port, before minutes of model loading
-    with console.status(f"loading {adapters or model}..."):
-        policy = load_policy(model, adapters)
-    base_name, agents = served_names(policy, model, adapters)
-    app = create_app(policy, base_name, agents, max_batch=max_batch, prefix_cache_mib=prefix_cache_mib)
-    served = ", ".join([base_name, *agents])
-    console.print(f"mappa serve: {served} at http://{host}:{sock.getsockname()[1]}/v1 (max batch {max_batch})")
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    server.run(sockets=[sock])
-    return 0
-
-
-__all__ = ["PLACEHOLDER_AGENT", "RunningServer", "create_app", "serve_command", "served_names", "start_server"]
+__all__ = ["RunningServer", "bind", "create_app", "served_names", "start_server"]

@@ -1,11 +1,11 @@
 """A local model as a continuously batched chat engine: shared by the `local` coach and `mappa serve`.
 
-Requests go to one worker thread that runs a `mappa.policy.Decoder`. Requests that can share a batch
+Requests go to one worker thread that runs a `mappa.serving.decoder.Decoder`. Requests that can share a batch
 (same agent, temperature, top-p and seed) join the running batch between decode steps and leave it
 as soon as they finish, so nobody waits for a batch to fill or for the slowest reply in it, and a
 follow-up request sent while others are still generating joins them at the next token. Requests
 with other settings wait until the running batch drains (it takes no newcomers while they wait).
-Prompt KV is kept in a `mappa.policy.PrefixCache`: a follow-up that repeats an earlier request, or
+Prompt KV is kept in a `mappa.serving.prefix_cache.PrefixCache`: a follow-up that repeats an earlier request, or
 a prompt that shares its opening with one, prefills only what is new.
 """
 
@@ -19,28 +19,22 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from mappa.models import load_base_model
+from mappa.policy import Generation, Policy
+from mappa.serving.decoder import Decoder, decoding
+from mappa.serving.prefix_cache import PrefixCache
 from mappa.types import Message
 
-TINY_RANDOM = "tiny-random"  # a 2-layer random model built in-process: smoke tests, no download
 PLACEHOLDER_AGENT = "base"  # the policy needs one agent; a plain model is served with adapters disabled
 
 
-def load_policy(model: str, adapters: str | None = None) -> Any:
+def load_policy(model: str, adapters: str | None = None) -> Policy:
     """A `mappa.policy.Policy` for serving or coaching: a checkpoint's agents, or a plain base model.
 
-    `model` is a name `mappa.models.load_base_model` understands, or `tiny-random`.
+    `model` is a name `mappa.models.load_base_model` understands (`tiny-random` included).
     """
-    from mappa.policy import Policy
-
     if adapters:
         return Policy.from_checkpoint(adapters)
-    if model == TINY_RANDOM:
-        from mappa.models import tiny_model_and_tokenizer
-
-        base, tokenizer = tiny_model_and_tokenizer()
-        return Policy.from_model(base, tokenizer, [PLACEHOLDER_AGENT], base_name=None)
-    from mappa.models import load_base_model
-
     base, tokenizer = load_base_model(model)
     return Policy.from_model(base, tokenizer, [PLACEHOLDER_AGENT], base_name=model)
 
@@ -79,9 +73,7 @@ class ChatEngine:
     prefix-cache hits with the prompt tokens they saved from prefill.
     """
 
-    def __init__(self, policy: Any, max_batch: int = 16, prefix_cache_mib: float = 512) -> None:
-        from mappa.policy import PrefixCache
-
+    def __init__(self, policy: Policy, max_batch: int = 16, prefix_cache_mib: float = 512) -> None:
         self.policy = policy
         self.max_batch = max_batch
         # Served and coaching weights do not change, so prompt KV can be reused across requests.
@@ -122,8 +114,8 @@ class ChatEngine:
             "prefix_tokens_reused": self.prefix_cache.tokens_reused if self.prefix_cache else 0,
         }
 
-    async def chat(self, request: ChatRequest) -> Any:
-        """One response (`mappa.policy.Generation`), decoded in a batch with whatever else is running."""
+    async def chat(self, request: ChatRequest) -> Generation:
+        """One response, decoded in a batch with whatever else is running."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
         with self._start_lock:
@@ -179,7 +171,8 @@ class ChatEngine:
         opened = False
         self.batches += 1
         try:
-            with self.policy.decoding(
+            with decoding(
+                self.policy,
                 first.agent,
                 temperature=first.temperature,
                 top_p=first.top_p,
@@ -212,7 +205,7 @@ class ChatEngine:
             for p in failed:
                 _settle(p, error=e)
 
-    def _admit(self, decoder: Any, key: tuple, waiting: deque[_Pending], running: dict[int, _Pending]) -> None:
+    def _admit(self, decoder: Decoder, key: tuple, waiting: deque[_Pending], running: dict[int, _Pending]) -> None:
         """Tokenize and add waiting requests with `key` while the batch has room."""
         room = self.max_batch - len(decoder)
         chosen: list[_Pending] = []

@@ -1,6 +1,8 @@
 """`mappa` command line: train | eval | rollout | coach score | serve | sandbox run | trace.
 
-Each command imports its module lazily so that `mappa sandbox run` does not pay for importing torch.
+The CLI layer is the edge: every command and all console output live in `mappa.cli.<command>`; domain
+modules return records and take an optional progress callback. This module only parses arguments and
+imports each command's module lazily, so that `mappa sandbox run` does not pay for importing torch.
 User errors (MappaError) print one line and exit 2; Ctrl-C exits 130.
 """
 
@@ -28,29 +30,29 @@ def _add_config_args(p: argparse.ArgumentParser, config_required: bool = True) -
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from mappa.cli.train import train_command
     from mappa.config import load_config
-    from mappa.train import train_command
 
     cfg = None if args.resume and args.config is None else load_config(args.config, args.overrides)
     return train_command(cfg, resume=args.resume, overrides=args.overrides)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    from mappa.cli.evaluate import eval_command
     from mappa.config import load_config
-    from mappa.evaluate import eval_command
 
     return eval_command(load_config(args.config, args.overrides), checkpoint=args.checkpoint, out=args.out)
 
 
 def _cmd_rollout(args: argparse.Namespace) -> int:
+    from mappa.cli.rollout import rollout_command
     from mappa.config import load_config
-    from mappa.rollout import rollout_command
 
     return rollout_command(load_config(args.config, args.overrides), episodes=args.episodes, out=args.out)
 
 
 def _cmd_coach_score(args: argparse.Namespace) -> int:
-    from mappa.coach.replay import score_command
+    from mappa.cli.coach import score_command
     from mappa.config import load_config
 
     overrides = list(args.overrides)
@@ -62,7 +64,7 @@ def _cmd_coach_score(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from mappa.serve import serve_command
+    from mappa.cli.serve import serve_command
 
     return serve_command(
         model=args.model,
@@ -76,15 +78,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_sandbox_run(args: argparse.Namespace) -> int:
-    from mappa.sandbox import sandbox_run_command
+    from mappa.cli.sandbox import sandbox_run_command
 
     return sandbox_run_command(
-        args.file, timeout_s=args.timeout, memory_mb=args.memory_mb, workspace=args.workspace, pool=args.pool
+        args.file,
+        timeout_s=args.timeout,
+        memory_mb=args.memory_mb,
+        workspace=args.workspace,
+        pool=args.pool,
+        confinement=args.confinement,
     )
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    from mappa.trace import trace_command
+    from mappa.cli.trace import trace_command
 
     return trace_command(args.run_dir, episode=args.episode, step=args.step)
 
@@ -144,9 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     s = ssub.add_parser("run", help="run a Python file in the sandbox and print the ExecResult as JSON")
     s.add_argument("file")
     s.add_argument("--timeout", type=float, default=10.0, help="wall-clock limit in seconds")
-    s.add_argument("--memory-mb", type=int, default=1024)
+    s.add_argument("--memory-mb", type=int, default=1024, help="resident-memory limit of the snippet's processes")
     s.add_argument("--workspace", default=None, help="directory the code may write (default: a fresh temp dir)")
     s.add_argument("--pool", action="store_true", help="run in a warm pre-imported worker")
+    s.add_argument(
+        "--confinement",
+        choices=["auto", "bwrap", "fallback"],
+        default="auto",
+        help="auto: bubblewrap when it works, else the fallback; bwrap: required; fallback: forced",
+    )
     s.set_defaults(func=_cmd_sandbox_run)
 
     p = sub.add_parser("trace", help="print episodes of a run agent by agent, with coach scores")

@@ -1,0 +1,95 @@
+"""`mappa eval CONFIG [--checkpoint DIR] [--out DIR]`: evaluate the base model or a trained checkpoint.
+
+Also the console table of an evaluation (`print_eval`), shared with `mappa train`: per agent tool use,
+response length, truncation; per task source and pooled, the accuracy with its Wilson 95% interval.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from mappa.config import Config
+from mappa.evaluate import eval_tasks, evaluate, policy_dir, write_eval
+from mappa.metrics import sources, wilson_interval
+from mappa.protocols import ProgressFn
+from mappa.sandbox import describe_confinement
+
+COLUMNS = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+
+
+@contextmanager
+def action_bar(console: Console, label: str) -> Iterator[ProgressFn]:
+    """A transient bar of actions played, as a `(done, total)` progress callback."""
+    with Progress(*COLUMNS, console=console, transient=True) as bar:
+        task = bar.add_task(label, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def pct_ci(p: float, n: float) -> str:
+    """`20.3% [12.3, 31.7]`: an accuracy over `n` episodes with its Wilson 95% interval in percent."""
+    lo, hi = wilson_interval(round(p * n), int(n))
+    return f"{p:.1%} [{lo * 100:.1f}, {hi * 100:.1f}]"
+
+
+def accuracy_table(metrics: dict[str, float], prefix: str = "eval") -> Table:
+    table = Table(title_justify="left")
+    for col in ("source", "episodes", "accuracy [95% CI]"):
+        table.add_column(col, justify="left" if col == "source" else "right")
+    for source in sources(metrics, prefix):
+        n = metrics[f"{prefix}/{source}/episodes"]
+        table.add_row(source, f"{n:.0f}", pct_ci(metrics[f"{prefix}/{source}/accuracy"], n))
+    n = metrics[f"{prefix}/episodes"]
+    table.add_row("[bold]all[/]", f"{n:.0f}", f"[bold]{pct_ci(metrics[f'{prefix}/accuracy'], n)}[/]")
+    return table
+
+
+def print_eval(console: Console, title: str, metrics: dict[str, float], agents: Sequence[str]) -> None:
+    table = Table(title=title, title_justify="left")
+    for col in ("agent", "tool use", "resp. tokens", "truncated", "actions/ep"):
+        table.add_column(col, justify="right" if col != "agent" else "left")
+    for a in agents:
+        table.add_row(
+            a,
+            f"{metrics[f'eval/{a}/tool_use_rate']:.0%}",
+            f"{metrics[f'eval/{a}/response_tokens']:.0f}",
+            f"{metrics[f'eval/{a}/truncation_rate']:.0%}",
+            f"{metrics[f'eval/{a}/actions_per_episode']:.2f}",
+        )
+    console.print(table)
+    console.print(accuracy_table(metrics))
+    console.print(
+        f"rule-based check; answered {metrics['eval/answered_rate']:.0%}; {metrics['eval/seconds']:.0f} s",
+        highlight=False,
+    )
+
+
+def eval_command(cfg: Config, checkpoint: str | None, out: str | None) -> int:
+    """`mappa eval`: evaluate the base model (no --checkpoint) or a trained checkpoint; writes JSONL."""
+    console = Console(stderr=True)
+    weights = policy_dir(Path(checkpoint)) if checkpoint is not None else None  # a typo fails before loading
+    console.print(describe_confinement(cfg.sandbox.confinement), highlight=False, soft_wrap=True)
+    from mappa.policy import Policy
+    from mappa.sandbox import Sandbox
+    from mappa.workflows import build_workflow
+
+    agents = build_workflow(cfg).agents
+    tasks = eval_tasks(cfg)
+    with console.status(f"loading {cfg.model.name if weights is None else weights}"):
+        if weights is None:
+            policy, tag = Policy.from_config(cfg.model, agents, seed=cfg.seed), "base"
+        else:
+            policy = Policy.from_checkpoint(weights, device=cfg.model.device)
+            tag = weights.name if weights.name != "policy" else weights.parent.name
+    out_dir = Path(out) if out else (Path(checkpoint).parent.parent / "eval" if checkpoint else Path("runs/eval"))
+    with Sandbox(cfg.sandbox) as sandbox, action_bar(console, "evaluating") as progress:
+        metrics, episodes = evaluate(cfg, policy, sandbox, tasks, progress=progress)
+    write_eval(out_dir, tag, metrics, episodes)
+    print_eval(console, f"eval {tag}: {len(tasks)} tasks x {cfg.eval.samples}", metrics, agents)
+    console.print(f"wrote {out_dir / (tag + '.jsonl')}")
+    return 0

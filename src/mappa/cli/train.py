@@ -1,0 +1,142 @@
+"""`mappa train CONFIG [--set k=v]` or `mappa train --resume RUN_DIR [--set k=v]`: the command and its console.
+
+During the run: one status line for what is under way, the self-test's lines, an evaluation table at the
+start, every `train.eval_every` steps and the end, and one line per step (train accuracy, each agent's mean
+coach score, loss / KL, optimizer steps, clip fraction, seconds). At the end, the held-out accuracy before and
+after with Wilson 95% intervals, and the gain with a 95% interval paired by task (Agresti-Min), so a gain can
+be told from noise. The first line names the sandbox's confinement.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress, TaskID
+
+from mappa.cli.evaluate import COLUMNS, print_eval
+from mappa.config import Config, dump_config, load_config
+from mappa.errors import MappaError
+from mappa.metrics import Gain
+from mappa.sandbox import describe_confinement
+from mappa.tracking import new_run_dir
+from mappa.train import Event, TrainResult, train
+
+
+def _mean(metrics: dict[str, float], groups: list[str], key: str) -> float:
+    values = [metrics[f"agent/{g}/{key}"] for g in groups if f"agent/{g}/{key}" in metrics]
+    values = [v for v in values if math.isfinite(v)]
+    return sum(values) / len(values) if values else float("nan")
+
+
+class Printer:
+    """Turns the run's events into console lines."""
+
+    def __init__(self, console: Console, cfg: Config) -> None:
+        from mappa.workflows import build_workflow
+
+        self.console = console
+        self.agents = build_workflow(cfg).agents
+        self.groups = ["shared"] if cfg.model.agent_weights == "shared" else list(self.agents)
+        self.header_shown = False
+        self.bar: Progress | None = None
+        self.task: TaskID | None = None
+
+    def show(self, label: str) -> None:
+        """What is under way, on a transient bar (nothing stays on screen; none at all in a piped log)."""
+        self.stop_bar()
+        if not self.console.is_terminal:
+            return
+        self.bar = Progress(*COLUMNS, console=self.console, transient=True)
+        self.bar.start()
+        self.task = self.bar.add_task(label, total=None)
+
+    def progress(self, done: int, total: int) -> None:
+        """Actions played of the episodes under way."""
+        if self.bar is None or self.task is None:
+            self.show("playing episodes")
+        if self.bar is not None and self.task is not None:
+            self.bar.update(self.task, completed=done, total=total)
+
+    def stop_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar, self.task = None, None
+
+    def __call__(self, event: Event) -> None:
+        if event.kind == "status":
+            self.show(event.text)
+            return
+        self.stop_bar()
+        if event.kind == "note":
+            self.console.print(event.text.replace("self-test ok:", "[green]self-test ok[/]"), highlight=False)
+        elif event.kind == "eval":
+            print_eval(self.console, f"eval {event.text} (step {event.step})", event.metrics, self.agents)
+        elif event.kind == "step":
+            self.step_line(event.step, event.metrics)
+
+    def step_line(self, step: int, m: dict[str, float]) -> None:
+        if not self.header_shown:
+            names = " ".join(f"{a[:12]:>12}" for a in self.agents)
+            self.console.print(f"{'step':>5} {'acc':>5} {names}  {'loss/kl':>13} {'opt':>3} {'clip':>5}    s")
+            self.header_shown = True
+        cells = " ".join(f"{m.get(f'train/{a}/score_mean', float('nan')):>12.2f}" for a in self.agents)
+        loss, kl, clip = (_mean(m, self.groups, k) for k in ("loss", "kl", "clip_frac"))
+        loss_kl = f"{loss:+.3f}/{kl:.3f}" if math.isfinite(loss) else "-"  # no agent had an action to train on
+        steps = sum(m.get(f"agent/{g}/optimizer_steps", 0.0) for g in self.groups)
+        seconds = m["time/rollout_s"] + m["time/update_s"]
+        self.console.print(
+            f"{step:>5} {m['train/accuracy']:>5.0%} {cells}  {loss_kl:>13} {steps:>3.0f} "
+            f"{f'{clip:.1%}' if math.isfinite(clip) else '-':>5} {seconds:>4.0f}",
+            highlight=False,
+        )
+
+
+def gain_lines(gain: Gain, tasks: int, final_step: int) -> list[str]:
+    """The end-of-run report of the held-out gain (format documented in docs/training.md)."""
+    b_lo, b_hi = gain.before_ci
+    a_lo, a_hi = gain.after_ci
+    g_lo, g_hi = gain.gain_ci
+    how = "paired by task, Agresti-Min" if gain.paired else "unpaired, Newcombe"
+    verdict = "beyond noise" if gain.significant else "within noise: the interval includes 0"
+    changed = f"; {gain.improved} episodes improved, {gain.worsened} worsened" if gain.paired else ""
+    return [
+        f"held-out accuracy, {tasks} tasks ({gain.n_after} episodes): {gain.before:.1%} [{b_lo:.1%}, {b_hi:.1%}] "
+        f"at step 0 -> {gain.after:.1%} [{a_lo:.1%}, {a_hi:.1%}] at step {final_step} (Wilson 95%)",
+        f"gain {gain.gain * 100:+.1f} pp, 95% CI [{g_lo * 100:+.1f}, {g_hi * 100:+.1f}] pp ({how}{changed}): {verdict}",
+    ]
+
+
+def _report(console: Console, result: TrainResult) -> None:
+    if result.gain is not None:
+        tasks = int(result.final.get("eval/tasks", result.gain.n_after))
+        for i, line in enumerate(gain_lines(result.gain, tasks, result.step)):
+            console.print(f"[bold]{line}[/]" if i == 1 else line, highlight=False, soft_wrap=True)
+    console.print(f"run: {result.run_dir}", highlight=False)
+
+
+def train_command(cfg: Config | None, resume: str | None, overrides: list[str]) -> int:
+    """`mappa train CONFIG [--set k=v]` or `mappa train --resume RUN_DIR [--set k=v]`."""
+    if resume is not None:
+        run_dir = Path(resume)
+        if not (run_dir / "config.yaml").is_file():
+            raise MappaError(f"--resume {run_dir}: not a run directory (config.yaml missing)")
+        if cfg is None:  # the run's own config; --set may still extend it (e.g. train.steps=20)
+            cfg = load_config(run_dir / "config.yaml", overrides)
+        (run_dir / "config.yaml").write_text(dump_config(cfg), encoding="utf-8")
+    elif cfg is None:
+        raise MappaError("mappa train: give a CONFIG file or --resume RUN_DIR")
+    else:
+        run_dir = new_run_dir(cfg)
+    console = Console(stderr=True)
+    console.print(
+        describe_confinement(cfg.sandbox.confinement), highlight=False, soft_wrap=True
+    )  # never a silent downgrade
+    printer = Printer(console, cfg)
+    try:
+        result = train(cfg, run_dir, resume=resume is not None, emit=printer, progress=printer.progress)
+    finally:
+        printer.stop_bar()
+    _report(console, result)
+    return 0

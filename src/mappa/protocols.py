@@ -1,0 +1,112 @@
+"""The plug-in points: what a workflow needs of a policy and a sandbox, and what a coach and a workflow are.
+
+Small structural Protocols (anything with the right methods fits; nothing subclasses them) plus the two
+records that cross the boundaries between stages. This module imports only the standard library and
+`mappa.types`, so every stage can depend on it without depending on another stage: tasks -> workflow
+(policy + sandbox) -> coach -> rewards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from mappa.types import Action, CoachContext, CoachScore, Episode, ExecResult, Message, Task
+
+# Progress of a long call: (done, total). The total may shrink as work turns out not to be needed.
+ProgressFn = Callable[[int, int], None]
+
+# Scores a batch of coach contexts, one CoachScore per context, in order (a `CoachRunner` is one).
+Scorer = Callable[[Sequence[CoachContext]], list[CoachScore]]
+
+
+class GenerationLike(Protocol):
+    """One sampled response (`mappa.policy.Generation`), read-only."""
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]: ...  # (P,) chat-templated prompt
+    @property
+    def response_ids(self) -> tuple[int, ...]: ...  # (T,) sampled tokens, EOS included when generated
+    @property
+    def logprobs(self) -> tuple[float, ...]: ...  # (T,) log pi(a_t | s) at sampling time
+    @property
+    def text(self) -> str: ...
+    @property
+    def truncated(self) -> bool: ...  # hit the token cap without EOS
+
+
+class PolicyLike(Protocol):
+    """What a workflow needs of the agents' weights: count prompt tokens, sample replies per agent."""
+
+    def chat_ids(self, messages: Sequence[Message]) -> list[int]: ...
+
+    def generate(
+        self,
+        agent: str | None,  # whose weights; None: the reference (base) model
+        conversations: Sequence[Sequence[Message]],
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        max_context_tokens: int | None,  # a longer prompt is an error, never silently cut
+        seed: int | None,  # reproducible sampling without the global RNG
+        batch_size: int | None,
+    ) -> Sequence[GenerationLike]: ...
+
+
+class SandboxLike(Protocol):
+    """What a workflow needs of the code tool: run (code, workspace) pairs, results in input order."""
+
+    def run_many(self, items: Sequence[tuple[str, Path]]) -> list[ExecResult]: ...
+
+
+@dataclass
+class CallCounters:
+    """Per-backend counters the runner cannot see from the outside (one coach call may be several requests)."""
+
+    calls: int = 0  # requests sent to the endpoint / model, follow-ups and retries included
+    retries: int = 0  # requests repeated after a 429, 5xx, timeout or connection error
+    failures: int = 0  # judgments abandoned after the last retry (or an unusable response)
+
+
+class Coach(Protocol):
+    """A coach backend: scores one action from its context (`mappa.coach.COACHES` lists them)."""
+
+    name: str  # backend name; part of the cache key
+    model: str  # coach model; part of the cache key
+    version: str  # template or rules version; part of the cache key
+    cacheable: bool  # worth caching (costs calls); the free rule-based coaches are not
+    counters: CallCounters
+
+    async def score(self, ctx: CoachContext) -> CoachScore: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What a batch of episodes is played with: the agents' weights, the code tool, and the coach (optional)."""
+
+    policy: PolicyLike
+    sandbox: SandboxLike
+    scorer: Scorer | None = None  # called once per stage; None: actions stay unscored (evaluation)
+
+
+class Workflow(Protocol):
+    """A multiagent system (`mappa.workflows.WORKFLOWS` lists them), built with the settings it reads.
+
+    `run` plays one episode per task, all in lockstep, and returns them in task order; `seed` makes the
+    sampling reproducible without touching the global RNG. `context` rebuilds the coach's evidence for a
+    recorded action exactly as it was built live (replaying episodes through another coach needs it).
+    """
+
+    name: str
+    agents: tuple[str, ...]  # the weights it needs, in order of play
+
+    def run(
+        self, tasks: Sequence[Task], rt: Runtime, *, seed: int | None = None, progress: ProgressFn | None = None
+    ) -> list[Episode]: ...
+
+    def context(self, task: Task, action: Action) -> CoachContext: ...

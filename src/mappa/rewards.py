@@ -1,0 +1,82 @@
+"""Per-action rewards: the score each action trains with, and which actions train at all (method.md 2, 7).
+
+Two reward modes, one pure step after the episodes are over:
+  - "coach": each action's own coach score in [0, 10] (per-action process rewards, the method);
+  - "outcome": every action of an episode gets 10 when the episode's final answer passes the rule-based
+    check, else 0 (the paper's outcome-only baseline). A live coach cannot give this to the agents that act
+    before the final one, since the outcome is not known yet when they are scored; here it is.
+The trainer picks the mode from `coach.backend` (`outcome` selects the baseline; its live per-stage scores
+are then only a record).
+
+An action leaves the training batch, counted by reason, when it
+  - is empty (no response tokens: nothing to put a gradient on);
+  - ran code that hit a sandbox infra_error (the infrastructure failed, not the agent: never blamed);
+  - was cut off by the token cap, with `train.drop_truncated` (its last token is not its decision);
+  - has no score and `coach.on_unscored: skip` (nothing invents a reward; `neutral` gives it 5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from mappa.errors import MappaError
+from mappa.types import Action, Episode
+
+RewardMode = Literal["coach", "outcome"]
+DROP_REASONS = ("empty", "infra_error", "truncated", "unscored")
+
+
+def reward_mode(coach_backend: str) -> RewardMode:
+    """The reward mode a coach backend implies: the `outcome` backend is the outcome-only baseline."""
+    return "outcome" if coach_backend == "outcome" else "coach"
+
+
+def per_action_scores(episodes: Sequence[Episode], mode: RewardMode) -> list[list[float | None]]:
+    """scores[i][j] in [0, 10] for action j of episode i; None = unscored (unknown outcome, no coach score)."""
+    if mode not in ("coach", "outcome"):
+        raise MappaError(f"reward mode {mode!r}: expected 'coach' or 'outcome'")
+    out: list[list[float | None]] = []
+    for ep in episodes:
+        if mode == "outcome":
+            outcome = None if ep.correct is None else (10.0 if ep.correct else 0.0)
+            out.append([outcome] * len(ep.actions))
+        else:
+            out.append([a.coach.score if a.coach is not None else None for a in ep.actions])
+    return out
+
+
+def _drop_reason(action: Action, score: float | None, on_unscored: str, drop_truncated: bool) -> str | None:
+    if not action.response_ids:
+        return "empty"
+    if action.exec_result is not None and action.exec_result.infra_error:
+        return "infra_error"
+    if drop_truncated and action.truncated:
+        return "truncated"
+    if score is None and on_unscored == "skip":
+        return "unscored"
+    return None
+
+
+def select_actions(
+    episodes: Sequence[Episode],
+    scores: Sequence[Sequence[float | None]],
+    agents: Sequence[str],
+    on_unscored: str,
+    drop_truncated: bool,
+) -> tuple[list[Action], list[float], dict[str, int]]:
+    """The trainable actions of `agents`, their scores in [0, 10], and how many were dropped for each reason."""
+    kept: list[Action] = []
+    kept_scores: list[float] = []
+    dropped = dict.fromkeys(DROP_REASONS, 0)
+    for ep, ep_scores in zip(episodes, scores, strict=True):
+        for action, score in zip(ep.actions, ep_scores, strict=True):
+            if action.agent not in agents:
+                continue
+            why = _drop_reason(action, score, on_unscored, drop_truncated)
+            if why is not None:
+                dropped[why] += 1
+                continue
+            kept.append(action)
+            kept_scores.append(5.0 if score is None else score)
+    return kept, kept_scores, dropped
