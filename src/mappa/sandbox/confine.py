@@ -140,9 +140,21 @@ def _bind_back(tmpfs: list[str], writable: list[Path]) -> list[str]:
     return _outermost([p for p in [*_python_paths(), *map(str, writable)] if _under(p, tmpfs)])
 
 
+def _private_ancestors() -> list[str]:
+    """For each Python path, the outermost directory other users cannot pass through (/root for a pyenv there,
+    a 0700 `mktemp -d` holding a fresh clone and its .venv): covered and the Python bound back, like the home."""
+    out = []
+    for p in _python_paths():
+        for d in reversed([Path(p), *Path(p).parents]):
+            if not os.stat(d).st_mode & 0o001:
+                out.append(str(d))
+                break
+    return out
+
+
 def _with_mounts(argv: list[str], writable: list[Path]) -> list[str]:
-    """Runner arguments that make it hide the private home (in its own mount namespace) before anything else."""
-    hidden = _hidden_dirs()
+    """Runner arguments that make it hide the private dirs (in its own mount namespace) before anything else."""
+    hidden = _outermost([*_hidden_dirs(), *_private_ancestors()])
     mounts = {"tmpfs": hidden, "bind": _bind_back(hidden, writable)}
     at = argv.index(str(RUNNER)) + 1
     return [*argv[:at], "--mounts", json.dumps(mounts), *argv[at:]]
@@ -208,12 +220,7 @@ def _probe(cmd: list[str]) -> str | None:
 
 def python_reachable_by_others() -> bool:
     """Whether an unprivileged uid can reach the interpreter's files (false for a Python under /root)."""
-    for p in _python_paths():
-        path = Path(p)
-        for d in [path, *path.parents]:
-            if not os.stat(d).st_mode & 0o001:
-                return False
-    return True
+    return not _private_ancestors()
 
 
 @functools.cache
