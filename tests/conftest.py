@@ -1,5 +1,10 @@
-import pytest
-import torch
+import os
+
+# As in `mappa.cli`: sleeping OpenMP waiters, so that tests next to other busy processes do not crawl.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture

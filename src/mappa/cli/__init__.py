@@ -9,9 +9,16 @@ User errors (MappaError) print one line and exit 2; Ctrl-C exits 130.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from mappa.errors import MappaError
+
+# torch's OpenMP threads spin while they wait for work. On a CPU that another process also uses (a laptop,
+# a shared CI box) the spinning threads starve each other: a batched generate on 2 cores took 102 s instead
+# of 12 s next to one other busy process. Sleeping waiters cost little when the cores are free (figures in
+# docs/models.md). It must be set before torch is first imported, which the commands below do lazily.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _add_config_args(p: argparse.ArgumentParser, config_required: bool = True) -> None:

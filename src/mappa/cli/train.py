@@ -70,7 +70,9 @@ class Printer:
             return
         self.stop_bar()
         if event.kind == "note":
-            self.console.print(event.text.replace("self-test ok:", "[green]self-test ok[/]"), highlight=False)
+            self.console.print(
+                event.text.replace("self-test ok:", "[green]self-test ok[/]"), highlight=False, soft_wrap=True
+            )
         elif event.kind == "eval":
             print_eval(self.console, f"eval {event.text} (step {event.step})", event.metrics, self.agents)
         elif event.kind == "step":
@@ -113,7 +115,7 @@ def _report(console: Console, result: TrainResult) -> None:
         tasks = int(result.final.get("eval/tasks", result.gain.n_after))
         for i, line in enumerate(gain_lines(result.gain, tasks, result.step)):
             console.print(f"[bold]{line}[/]" if i == 1 else line, highlight=False, soft_wrap=True)
-    console.print(f"run: {result.run_dir}", highlight=False)
+    console.print(f"run: {result.run_dir}", highlight=False, soft_wrap=True)
 
 
 def train_command(cfg: Config | None, resume: str | None, overrides: list[str]) -> int:

@@ -307,7 +307,7 @@ def describe_confinement(confinement: Confinement | ConfinementMode = "auto") ->
             "process of the machine, the process count; only time, CPU, resident-memory and file-size limits apply"
         )
     if c.drop_uid:
-        hidden = "; root's home hidden, Python bound back" if c.hide_home else ""
+        hidden = "; private homes and dirs hidden, Python bound back" if c.hide_home else ""
         return (
             f"sandbox: fallback without bubblewrap (one unprivileged uid per workspace{hidden}, {net}; limits: "
             "time, CPU, resident memory, processes, file size); NOT confined: writes to world-writable places "
