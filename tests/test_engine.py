@@ -1,4 +1,4 @@
-"""The chat engine behind `mappa serve` and the `local` coach: continuous batching on a tiny random model."""
+"""The chat engine behind `mappa serve`: continuous batching on a tiny random model."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A local model as a continuously batched chat engine: shared by the `local` coach and `mappa serve`.
+"""A local model as a continuously batched chat engine: what `mappa serve` runs.
 
 Requests go to one worker thread that runs a `mappa.serving.decoder.Decoder`. Requests that can share a batch
 (same agent, temperature, top-p and seed) join the running batch between decode steps and leave it
