@@ -16,7 +16,7 @@ from mappa.errors import MappaError
 
 # torch's OpenMP threads spin while they wait for work. On a CPU that another process also uses (a laptop,
 # a shared CI box) the spinning threads starve each other: a batched generate on 2 cores took 102 s instead
-# of 12 s next to one other busy process. Sleeping waiters cost little when the cores are free (figures in
+# of 12 s next to one other busy process. Sleeping waiters cost ~25% when the cores are free (figures in
 # docs/models.md). It must be set before torch is first imported, which the commands below do lazily.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
