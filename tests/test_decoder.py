@@ -8,49 +8,19 @@ import inspect
 import pytest
 import torch
 import transformers
+from test_policy import convs, make_policy, perturb  # the same tiny policy and conversations
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from mappa.errors import MappaError
-from mappa.models import tiny_model_and_tokenizer
-from mappa.policy import Generation, Policy
+from mappa.policy import Generation
 from mappa.serving.decoder import decoding
 from mappa.serving.kv import BufferedLayer, stitchable
 from mappa.serving.prefix_cache import PrefixCache
 from mappa.types import Message
 
-AGENTS = ("solver", "coder", "verifier")
 PIN = "transformers==5.23.0 (pyproject.toml)"
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def make_policy(eos_scale: float = 1.0) -> Policy:
-    model, tokenizer = tiny_model_and_tokenizer(0)
-    if eos_scale != 1.0:
-        # A larger EOS embedding row makes EOS a likely next token at some positions, so sequences of
-        # one batch finish at different steps (tied embeddings: the LM head row scales too).
-        with torch.no_grad():
-            model.model.embed_tokens.weight[tokenizer.eos_token_id] *= eos_scale
-    return Policy.from_model(model, tokenizer, AGENTS)
-
-
-def convs(n: int) -> list[list[Message]]:
-    """Conversations of different lengths (exercises left padding)."""
-    out = []
-    for i in range(n):
-        msgs = [Message(role="user", content="What is 17 * 23? " * (1 + i % 4) + str(i))]
-        if i % 2:
-            msgs.insert(0, Message(role="system", content="You are the Code Executor."))
-        out.append(msgs)
-    return out
-
-
-def perturb(policy: Policy, agent: str, scale: float = 0.5, seed: int = 1) -> None:
-    """Give one agent non-zero LoRA B matrices (standard init has B = 0, so every agent starts as the base)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in policy.trainable_parameters(agent):
-            p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
 # ------------------------------------------------------------------------------------------------------------------
