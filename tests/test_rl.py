@@ -143,12 +143,33 @@ def test_degenerate_inputs_stay_finite(scores: torch.Tensor, logp: torch.Tensor,
     loss.backward()
 
 
-def test_equal_scores_give_zero_advantage() -> None:
-    adv = reinforce_pp_advantages(
-        torch.tensor([0.5, 0.5]), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), 0.0
-    )
-    # returns differ only by position (score on the last token is reached from every earlier token)
-    torch.testing.assert_close(adv, torch.zeros(2, 3))
+G = torch.Generator().manual_seed(7)
+SAME = torch.randn(2, 4, generator=G)  # policy == reference: zero KL on every token, whatever the values
+
+
+@pytest.mark.parametrize(
+    "scores,logp,ref,mask",
+    [
+        (torch.tensor([0.5, 0.5]), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3)),  # equal scores, no KL
+        (torch.tensor([0.7, 0.7]), SAME, SAME, MASK),  # equal scores, ragged rows, policy == reference
+        (torch.tensor([0.3, 0.9]), torch.randn(2, 4, generator=G), torch.randn(2, 4, generator=G), torch.zeros(2, 4)),
+        (torch.tensor([0.9]), torch.tensor([[-2.0]]), torch.tensor([[-1.0]]), torch.ones(1, 1)),  # one token
+        (torch.zeros(0), torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(0, 4)),  # empty batch
+    ],
+    ids=["equal scores", "equal scores ragged", "no valid token", "one token", "empty batch"],
+)
+def test_degenerate_inputs_give_exactly_zero_advantages(
+    scores: torch.Tensor, logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor
+) -> None:
+    """Nothing to prefer: every advantage is exactly 0 (not merely small or finite), so the loss and its gradient
+    are exactly 0 too and the update cannot move the weights. Scores equal and KL zero means every return is
+    the same number, which whitening maps to 0; no valid token means nothing to whiten."""
+    adv = reinforce_pp_advantages(scores, logp, ref, mask, kl_coef=0.05)
+    assert torch.equal(adv, torch.zeros_like(adv)), adv
+    new = logp.clone().requires_grad_()
+    loss, _ = clipped_pg_loss(new, logp, adv, mask)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(new.grad, torch.zeros_like(new))
 
 
 # ---------------------------------------------------------------------------------------------------- schedule

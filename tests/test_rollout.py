@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from mappa.rollout import pick_tasks
+from mappa.tasks import check_answer, extract_answer
 from mappa.types import Episode, Task, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +75,9 @@ def test_rollout_command_writes_episodes_and_a_summary(tmp_path: Path) -> None:
         assert agents[0] == "problem_solver" and agents[-1] == "verifier"
         assert all(a.coach is not None for a in e.actions)  # the rubric coach scored every action
         assert all(len(a.response_ids) == len(a.logprobs) > 0 for a in e.actions)
-        assert e.correct in (True, False)
+        # The recorded verdict is the rule-based check of the verifier's own text (random tokens: never right).
+        assert e.final_answer == extract_answer(e.actions[-1].text)
+        assert e.correct is check_answer(e.actions[-1].text, e.task.answer) is False
     for needle in ("success", "problem_solver", "code_executor", "verifier", "mean tokens", "sandbox", "episodes/min"):
         assert needle in proc.stderr
     n_actions = sum(len(e.actions) for e in episodes)
@@ -152,4 +155,6 @@ def test_two_episodes_with_the_embedded_model(tmp_path: Path) -> None:
     for e in episodes:
         assert [a.agent for a in e.actions][0] == "problem_solver" and e.actions[-1].agent == "verifier"
         assert all(a.text.strip() for a in e.actions)  # a real model says something
+        verdict = check_answer(e.actions[-1].text, e.task.answer)  # the recorded verdict is the answer check's
+        assert e.correct is verdict and e.final_answer == extract_answer(e.actions[-1].text)
         assert all(len(a.response_ids) == len(a.logprobs) and all(lp <= 0 for lp in a.logprobs) for a in e.actions)

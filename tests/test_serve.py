@@ -129,7 +129,6 @@ def test_max_tokens_and_finish_reason(client: openai.OpenAI) -> None:
     "body, status, needle",
     [
         ({"model": "nope", "messages": HELLO}, 404, "not found"),
-        ({"model": BASE, "messages": HELLO, "stream": True}, 400, "stream"),
         ({"model": BASE, "messages": HELLO, "n": 2}, 400, "n=1"),
         ({"model": BASE, "messages": HELLO, "stop": ["\n"]}, 400, "stop"),
         ({"model": BASE, "messages": HELLO, "temperature": -1}, 400, "temperature"),
@@ -199,3 +198,138 @@ def test_responses_are_not_held_back_by_nagle() -> None:
             assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
     finally:
         sock.close()
+
+
+# ---------------------------------------------------------------------------------------------------- streaming
+def _streamed(client: openai.OpenAI, **kw) -> tuple[str, list]:
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks
+
+
+@pytest.mark.parametrize("model", [BASE, "checker"])
+def test_streaming_with_the_openai_client_matches_the_plain_reply(client: openai.OpenAI, model: str) -> None:
+    kw = {"model": model, "messages": HELLO, "max_tokens": 16, "temperature": 0, "logprobs": True}
+    plain = client.chat.completions.create(**kw)
+    text, chunks = _streamed(client, stream_options={"include_usage": True}, **kw)
+    assert text == plain.choices[0].message.content and len(chunks) > 3  # token by token, not one blob
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+    streamed_lp = [
+        t.logprob for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content
+    ]
+    assert streamed_lp == pytest.approx([t.logprob for t in plain.choices[0].logprobs.content], abs=1e-5)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_token_ids_as_vllm_returns_them(client: openai.OpenAI, policy: Policy) -> None:
+    kw = {"model": "checker", "messages": HELLO, "max_tokens": 10, "temperature": 0}
+    plain = client.chat.completions.create(**kw, extra_body={"return_token_ids": True})
+    ids = plain.choices[0].model_extra["token_ids"]
+    direct = policy.generate("checker", [[Message(**m) for m in HELLO]], temperature=0, max_new_tokens=10)[0]
+    assert ids == list(direct.response_ids) and plain.model_extra["prompt_token_ids"] == list(direct.prompt_ids)
+    _, chunks = _streamed(client, **kw, extra_body={"return_token_ids": True})
+    assert chunks[0].model_extra["prompt_token_ids"] == list(direct.prompt_ids)
+    assert [t for c in chunks for t in (c.choices[0].model_extra or {}).get("token_ids", [])] == ids
+    as_ids = client.chat.completions.create(**kw, logprobs=True, extra_body={"return_tokens_as_token_ids": True})
+    eos = set(policy.eos_ids)
+    assert [t.token for t in as_ids.choices[0].logprobs.content] == [f"token_id:{i}" for i in ids if i not in eos]
+
+
+# ---------------------------------------------------------------------------------------------------- LoRA loading
+def test_load_and_unload_lora_adapters_as_vllm_does(server: RunningServer, policy: Policy, tmp_path) -> None:
+    from mappa.generation import publish_adapters
+
+    paths = publish_adapters(policy, tmp_path, 0)
+    post = lambda what, body: httpx.post(f"{server.url}/{what}_lora_adapter", json=body, timeout=60)  # noqa: E731
+    r = post("load", {"lora_name": "checker-copy", "lora_path": str(paths["checker"])})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'checker-copy' added successfully."
+    models = httpx.get(server.url + "/models").json()["data"]
+    assert {"id": "checker-copy", "parent": BASE}.items() <= next(
+        m for m in models if m["id"] == "checker-copy"
+    ).items()
+
+    client = openai.OpenAI(base_url=server.url, api_key="x", max_retries=0, timeout=120)
+
+    def greedy(model: str) -> str:
+        r = client.chat.completions.create(model=model, messages=HELLO, max_tokens=10, temperature=0)
+        return r.choices[0].message.content
+
+    assert greedy("checker-copy") == greedy("checker") != greedy(BASE)  # the loaded adapter is the checker's
+    again = post("load", {"lora_name": "checker-copy", "lora_path": str(paths["checker"])})
+    assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    inplace = post("load", {"lora_name": "checker-copy", "lora_path": str(paths["solver"]), "load_inplace": True})
+    assert inplace.status_code == 200 and greedy("checker-copy") == greedy(BASE)  # the solver's (untrained) weights
+    assert post("load", {"lora_name": "solver", "lora_path": str(paths["checker"])}).status_code == 400  # taken
+    assert post("load", {"lora_name": "x", "lora_path": str(tmp_path / "nowhere")}).status_code == 400
+    assert (
+        post("unload", {"lora_name": "checker-copy"}).text
+        == "Success: LoRA adapter 'checker-copy' removed successfully."
+    )
+    assert post("unload", {"lora_name": "checker-copy"}).status_code == 404
+    assert post("unload", {"lora_name": "checker"}).status_code == 400  # the checkpoint's own agents stay
+    gone = httpx.post(server.url + "/chat/completions", json={"model": "checker-copy", "messages": HELLO}, timeout=60)
+    assert gone.status_code == 404
+
+
+# ------------------------------------------------------------------------------------ what a reply reports
+CONVERSATION = [
+    {"role": "system", "content": "You check arithmetic."},
+    {"role": "user", "content": "What is 12 + 30?"},
+    {"role": "assistant", "content": "It is 42."},
+    {"role": "user", "content": "Are you sure? Say it again."},
+]
+
+
+def test_prompt_tokens_are_the_chat_templates_length(client: openai.OpenAI, policy: Policy) -> None:
+    tok = policy.tokenizer
+    for messages in (HELLO, CONVERSATION):
+        rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        expected = len(tok(rendered, add_special_tokens=False)["input_ids"])
+        r = client.chat.completions.create(model="checker", messages=messages, max_tokens=3, temperature=0)
+        assert r.usage.prompt_tokens == expected, messages
+        assert r.usage.total_tokens == expected + r.usage.completion_tokens
+
+
+def test_greedy_reply_is_the_policys_on_the_same_messages(client: openai.OpenAI, policy: Policy) -> None:
+    """The served conversation is the one the policy would see: roles, order and content parts included."""
+    as_parts = [
+        {"role": "developer", "content": CONVERSATION[0]["content"]},  # OpenAI's newer name for system
+        *CONVERSATION[1:3],
+        {"role": "user", "content": [{"type": "text", "text": "Are you sure? "}, {"type": "text", "text": "Say it again."}]},
+    ]  # fmt: skip
+    direct = policy.generate(
+        "checker", [[Message(**m) for m in CONVERSATION]], temperature=0, max_new_tokens=12
+    )[0]  # fmt: skip
+    for messages in (CONVERSATION, as_parts):
+        r = client.chat.completions.create(model="checker", messages=messages, max_tokens=12, temperature=0)
+        assert r.choices[0].message.content == direct.text
+        assert r.usage.completion_tokens == len(direct.response_ids)
+
+
+def test_finish_reason_is_length_exactly_when_the_cap_cut_the_reply() -> None:
+    """On a model that sometimes stops by itself: `stop` when EOS came (even as the last allowed token), `length`
+    when the cap cut the reply one token short of it or in the middle of a long one."""
+    from test_policy import convs, make_policy, perturb
+
+    eager = make_policy(eos_scale=1.6)
+    perturb(eager, "coder", scale=1.0)
+    running = start_server(create_app(eager, BASE, max_batch=4))
+    client = openai.OpenAI(base_url=running.url, api_key="x", max_retries=0, timeout=120)
+    seen = set()
+    try:
+        for conv in convs(7):
+            (free,) = eager.generate("coder", [conv], temperature=0, max_new_tokens=20)
+            n = len(free.response_ids)
+            caps = [n, n - 1] if not free.truncated else [n]
+            for cap in (c for c in caps if c >= 1):
+                r = client.chat.completions.create(
+                    model="coder", messages=[m.model_dump() for m in conv], max_tokens=cap, temperature=0
+                )
+                stopped = not free.truncated and cap == n
+                assert r.choices[0].finish_reason == ("stop" if stopped else "length"), (n, cap, free.truncated)
+                assert r.usage.completion_tokens == cap  # EOS counts as a completion token, as it is generated
+                seen.add(r.choices[0].finish_reason)
+    finally:
+        running.stop()
+    assert seen == {"stop", "length"}

@@ -9,6 +9,10 @@ Layout of one checkpoint (`RUN_DIR/checkpoints/step-000012/`):
 A checkpoint is written into a hidden temp directory and renamed into place, then `latest` is
 replaced atomically; a SIGKILL at any moment leaves either the previous or the new checkpoint,
 never half of one. The coach cache needs nothing here: it is SQLite and commits per judgment.
+
+Since a kill cannot leave a `step-N` directory without its state.json, one that lacks it (or a file that
+does not load) is damage, not an interrupted save: resuming then stops with one line naming the file and
+changes nothing in the run directory, instead of starting the run over on top of its logs.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +52,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextmanager
+def kept_rng() -> Iterator[None]:
+    """Run the block without moving any RNG: a resumed run that does extra work (the self-test) before its
+    next step still samples exactly what the uninterrupted run did."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -100,28 +117,79 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+def resume_point(run_dir: str | Path) -> Path | None:
+    """The checkpoint a resume continues from; None when the run was stopped before its first checkpoint.
+
+    Stricter than `latest_checkpoint`: `latest` naming a checkpoint without state.json, or checkpoints of which
+    none is complete, cannot come from a kill (a checkpoint appears whole by a rename), so it is an error.
+    """
+    root = Path(run_dir) / "checkpoints"
+    pointer = root / "latest"
+    if pointer.is_file():
+        named = root / pointer.read_text(encoding="utf-8").strip()
+        if not (named / "state.json").is_file():
+            raise MappaError(f"{named / 'state.json'}: missing (the checkpoint {pointer} names is damaged)")
+    found = latest_checkpoint(run_dir)
+    steps = sorted(p for p in root.glob("step-*") if p.is_dir())
+    if found is None and steps:
+        raise MappaError(f"{steps[-1] / 'state.json'}: missing (no complete checkpoint in {root})")
+    return found
+
+
+def _torch_file(path: Path) -> Any:
+    """A checkpoint's torch file, or one line naming it (missing, truncated, corrupt)."""
+    if not path.is_file():
+        raise MappaError(f"{path}: missing (checkpoint damaged)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError... on damaged files
+        raise MappaError(f"{path}: unreadable, truncated or corrupt ({type(e).__name__})") from None
+
+
+def _state_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise MappaError(f"{path.parent}: not a checkpoint (state.json missing)")
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MappaError(f"{path}: unreadable ({type(e).__name__})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or "cursor" not in state:
+        raise MappaError(f"{path}: not a checkpoint state (needs an integer step and a cursor)")
+    return state
+
+
 def load_checkpoint(
     directory: str | Path,
     *,
     policy: Any,
     optimizers: dict[str, torch.optim.Optimizer],
 ) -> dict[str, Any]:
-    """Restore weights, optimizer states and RNG states in place; returns state.json."""
+    """Restore weights, optimizer states and RNG states in place; returns state.json.
+
+    state.json, trainer.pt and rng.pt are read and checked before anything is restored, and the policy checks
+    its own files as it loads them, so a damaged or mismatched checkpoint fails with one line naming its file.
+    (The in-memory policy may then be half loaded; the caller stops, and nothing on disk has changed.)
+    """
     directory = Path(directory)
-    state_file = directory / "state.json"
-    if not state_file.is_file():
-        raise MappaError(f"{directory}: not a checkpoint (state.json missing)")
-    policy.load_weights(directory / "policy")
-    trainer = torch.load(directory / "trainer.pt", map_location="cpu", weights_only=False)
-    missing = set(optimizers) - set(trainer["optimizers"])
+    state = _state_file(directory / "state.json")
+    trainer = _torch_file(directory / "trainer.pt")
+    rng = _torch_file(directory / "rng.pt")
+    saved = trainer.get("optimizers") if isinstance(trainer, dict) else None
+    if not isinstance(saved, dict):
+        raise MappaError(f"{directory / 'trainer.pt'}: not a trainer state (no optimizers)")
+    policy.load_weights(directory / "policy")  # first: its manifest names the agents when they differ
+    missing = set(optimizers) - set(saved)
     if missing:
         raise MappaError(
             f"{directory}/trainer.pt: no optimizer state for {sorted(missing)}; the config's agents differ"
         )
     for k, opt in optimizers.items():
-        opt.load_state_dict(trainer["optimizers"][k])
-    set_rng_state(torch.load(directory / "rng.pt", map_location="cpu", weights_only=False))
-    return json.loads(state_file.read_text(encoding="utf-8"))
+        try:
+            opt.load_state_dict(saved[k])
+        except (ValueError, KeyError) as e:  # parameter groups of another shape: other LoRA settings or model
+            raise MappaError(f"{directory / 'trainer.pt'}: optimizer state of {k!r} does not fit ({e})") from None
+    set_rng_state(rng)
+    return state
 
 
 def restore_run(
@@ -129,8 +197,8 @@ def restore_run(
 ) -> tuple[Path, dict[str, Any]] | None:
     """Resume a run in place: load its latest complete checkpoint and forget log lines of later steps (the
     step a kill interrupted runs again). Without a checkpoint yet, the logs are cleared to start over cleanly.
-    Returns (checkpoint, state.json) or None."""
-    ckpt = latest_checkpoint(run_dir)
+    Returns (checkpoint, state.json) or None. Nothing is changed on disk unless the checkpoint loaded."""
+    ckpt = resume_point(run_dir)
     if ckpt is None:
         for name in RUN_LOGS:
             (Path(run_dir) / name).unlink(missing_ok=True)

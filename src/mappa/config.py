@@ -50,6 +50,27 @@ class GenerationConfig(Section):
     max_new_tokens: int = Field(256, ge=1, description="Per-action token cap.")
     max_context_tokens: int = Field(2048, ge=16, description="Longest prompt an agent may see; longer is an error.")
     batch_size: int = Field(16, ge=1, description="Most sequences in one generate call (larger batches are split).")
+    backend: Literal["local", "server"] = Field(
+        "local",
+        description="local: the trainer's own policy generates; server: an OpenAI-compatible LoRA server "
+        "(vLLM, SGLang or `mappa serve`) at base_url, reloaded with every agent's adapter after each step.",
+    )
+    base_url: str = Field("http://127.0.0.1:8000/v1", description="server backend: the server's OpenAI base URL.")
+    adapter_api: Literal["vllm", "sglang"] = Field(
+        "vllm",
+        description="server backend: adapter loading endpoints; vllm: {base_url}/load_lora_adapter (also "
+        "`mappa serve`), sglang: /load_lora_adapter at the server root.",
+    )
+    adapter_dir: str = Field(
+        "",
+        description="server backend: where adapters are published (<dir>/<agent>/v<step>); empty: <run_dir>/adapters.",
+    )
+    server_adapter_dir: str = Field(
+        "",
+        description="server backend: the same directory as the server sees it (shared storage); empty: adapter_dir.",
+    )
+    concurrency: int = Field(32, ge=1, description="server backend: requests in flight at once.")
+    timeout_s: float = Field(600.0, gt=0, description="server backend: per-request timeout.")
 
 
 class SandboxConfig(Section):
@@ -113,8 +134,11 @@ class CoachConfig(Section):
 
 
 class WorkflowConfig(Section):
-    name: Literal["mathchat"] = Field("mathchat", description="Workflow name (see mappa.workflows.WORKFLOWS).")
+    name: Literal["mathchat", "ds_pipeline"] = Field(
+        "mathchat", description="Workflow name (see mappa.workflows.WORKFLOWS)."
+    )
     coder_max_turns: int = Field(2, ge=1, description="MathChat: Code Executor turn cap.")
+    ds_max_turns: int = Field(4, ge=1, description="ds_pipeline: turn cap of each agent.")
     show_coach_feedback: bool = Field(
         False, description="Later agents see earlier agents' coach rationales (off in the published code)."
     )
@@ -131,6 +155,11 @@ class TasksConfig(Section):
     )
     arithmetic_train_size: int = Field(512, ge=1, description="Generated arithmetic training tasks.")
     arithmetic_eval_size: int = Field(32, ge=1, description="Generated arithmetic eval tasks (disjoint seed).")
+    dsbench_dir: str | None = Field(
+        None,
+        description="The mini-DSBench directory (source 'dsbench'); default $MAPPA_DSBENCH_DIR, else "
+        "<MAPPA_CACHE>/dsbench, built there on first use.",
+    )
 
 
 class TrainConfig(Section):
@@ -151,6 +180,10 @@ class TrainConfig(Section):
         16, ge=1, description="Actions per optimizer step, per agent (the paper's train_batch_size 16)."
     )
     epochs: int = Field(1, ge=1, description="Passes over each rollout batch (reshuffled into mini-batches).")
+    stratify_by: str = Field(
+        "", description="Task.meta key (e.g. data_type) whose values every step's tasks hold in proportion; "
+        "empty: a plain shuffle.",
+    )  # fmt: skip
     micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward (gradient accumulation).")
     recompute_old_logprobs: bool = Field(
         True,
@@ -160,7 +193,15 @@ class TrainConfig(Section):
     drop_truncated: bool = Field(True, description="Leave actions cut off by the token cap out of the loss.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0: only at start and end).")
     checkpoint_every: int = Field(1, ge=1, description="Checkpoint every N steps.")
-    self_test: bool = Field(True, description="Run the start-up self-test before the first step.")
+    self_test: bool = Field(True, description="Run the self-test before the first step, and again on every resume.")
+    max_unscored_steps: int = Field(
+        3, ge=0, description="Stop the run after this many consecutive steps in which the coach scored no action "
+        "(an endpoint that went down); 0: never stop.",
+    )  # fmt: skip
+    gpus_per_agent: float = Field(
+        0.0, ge=0, le=1, description="With --ray: GPUs each trainer actor (one per update group) reserves; 0 on a "
+        "CPU, a fraction lets trainers share a GPU; at most 1 (one agent over several GPUs: docs/scale.md).",
+    )  # fmt: skip
 
 
 class EvalConfig(Section):
@@ -173,6 +214,48 @@ class EvalConfig(Section):
 class LoggingConfig(Section):
     tensorboard: bool = Field(True, description="Write TensorBoard events beside metrics.jsonl.")
     wandb_project: str | None = Field(None, description="Log to W&B when set and wandb is installed.")
+
+
+class AnalysisConfig(Section):
+    """The alarms of `mappa report` (docs/analysis.md); read from the run's config.yaml, `--set` overrides."""
+
+    bias_gap: float = Field(
+        1.0, ge=0, description="Bias alarm: a stratum's mean coach score this many points (0-10) off what the "
+        "rule-based outcome predicts, with a 95% interval that excludes 0.",
+    )  # fmt: skip
+    bias_drift: float = Field(
+        1.0, ge=0, description="Bias alarm: a stratum's gap moving this many points from the first half of the "
+        "steps to the second (interval excludes 0).",
+    )  # fmt: skip
+    min_stratum_actions: int = Field(
+        8, ge=2, description="Scored actions a stratum needs before it can raise an alarm."
+    )
+    hacking_gap: float = Field(
+        0.1, ge=0, description="Hacking alarm: an agent's score rise over the run (score/10) minus the rule-based "
+        "accuracy rise, both on 0-1, at least this much while the scores really rise (intervals exclude 0).",
+    )  # fmt: skip
+    hacking_min_steps: int = Field(3, ge=2, description="Training steps with episodes the hacking alarm needs.")
+    high_score: float = Field(
+        7.0, ge=0, le=10, description="A final agent's score at or above this reads as 'answer right' when the "
+        "coach gave no ANSWER_CORRECT verdict.",
+    )  # fmt: skip
+
+
+class RayConfig(Section):
+    """`mappa train --ray`: where the work runs (docs/scale.md). The local mode reads none of it."""
+
+    rollout_workers: int = Field(2, ge=1, description="Rollout worker actors; each plays a share of every batch.")
+    worker_cpus: float = Field(1.0, gt=0, description="CPUs each rollout worker reserves (its sandbox runs there).")
+    worker_gpus: float = Field(0.0, ge=0, description="GPUs each rollout worker reserves (local generation on a GPU).")
+    trainer_cpus: float = Field(1.0, gt=0, description="CPUs each trainer actor reserves.")
+    base_urls: list[str] = Field(
+        default_factory=list,
+        description="generation.backend=server: one server per entry (e.g. one vLLM engine per GPU); rollout "
+        "worker i uses entry i mod n, and each server loads every step's adapters. Empty: generation.base_url.",
+    )
+    placement_timeout_s: float = Field(
+        120.0, gt=0, description="How long to wait for the cluster to find room for every actor."
+    )
 
 
 class Config(Section):
@@ -188,6 +271,8 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    analysis: AnalysisConfig = Field(default_factory=AnalysisConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:

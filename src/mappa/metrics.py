@@ -8,6 +8,12 @@ their own prefix (`train/`, `rollout/`, `eval/`):
     <prefix>/sandbox/runs, time_s, error_rate, timeout_rate       the code tool
     <prefix>/<agent>/actions, actions_per_episode, response_tokens, truncation_rate,
                      tool_use_rate, code_error_rate, scored, score_mean
+    <prefix>/tabular/valid_rate, gap, reference_fraction, episodes     tabular tasks (ds_pipeline) pooled, and
+    <prefix>/tabular/<data_type>/...  the same, plus <agent>/score_mean, per task type (classification, regression)
+
+The tabular figures read `Episode.meta["submission"]`: the share of valid submissions, and DSBench's relative gap
+and the share of the reference model's gain reached, both averaged with 0 for a missing or invalid submission
+(the fair metric: a failed run counts as no better than a trivial prediction, never left out).
 
 `accuracy_gain` compares two evaluations: Wilson 95% intervals for each accuracy, and for the difference
   - paired, when both evaluations hold the same episodes (same tasks, same sample count): the Agresti-Min
@@ -71,6 +77,42 @@ def episode_metrics(episodes: Sequence[Episode], agents: Sequence[str], prefix: 
         out[f"{prefix}/{source}/episodes"] = float(len(mine))
     for agent in agents:
         out.update(_agent_metrics(episodes, agent, prefix))
+    out.update(_tabular_metrics(episodes, agents, prefix))
+    return out
+
+
+def _tabular_summary(episodes: Sequence[Episode], head: str) -> dict[str, float]:
+    subs = [e.meta["submission"] for e in episodes]
+    n = len(subs)
+
+    def fair_mean(key: str) -> float:  # 0 for an invalid submission
+        return _share(sum(float(s[key]) if s["valid"] else 0.0 for s in subs), n)
+
+    return {
+        f"{head}/valid_rate": _share(sum(bool(s["valid"]) for s in subs), n),
+        f"{head}/gap": fair_mean("gap"),
+        f"{head}/reference_fraction": fair_mean("reference_fraction"),
+        f"{head}/episodes": float(n),
+    }
+
+
+def _tabular_metrics(episodes: Sequence[Episode], agents: Sequence[str], prefix: str) -> dict[str, float]:
+    """Submission figures of the episodes on tabular tasks (those with `meta["submission"]`), pooled and per
+    `Task.meta["data_type"]`, with each agent's mean coach score per type (method.md §6: watch the coach's bias)."""
+    tabular = [e for e in episodes if "submission" in e.meta]
+    if not tabular:
+        return {}
+    out = _tabular_summary(tabular, f"{prefix}/tabular")
+    for data_type in sorted({str(e.task.meta.get("data_type", "unknown")) for e in tabular}):
+        mine = [e for e in tabular if str(e.task.meta.get("data_type", "unknown")) == data_type]
+        head = f"{prefix}/tabular/{data_type}"
+        out.update(_tabular_summary(mine, head))
+        for agent in agents:
+            scores = [
+                a.coach.score for e in mine for a in e.actions
+                if a.agent == agent and a.coach is not None and a.coach.score is not None
+            ]  # fmt: skip
+            out[f"{head}/{agent}/score_mean"] = sum(scores) / len(scores) if scores else float("nan")
     return out
 
 
@@ -175,3 +217,51 @@ def accuracy_gain(before: Sequence[Episode], after: Sequence[Episode]) -> Gain:
         improved=improved,
         worsened=worsened,
     )
+
+
+# ---------------------------------------------------------------------------------------------------- means, trends
+def mean_interval(values: Sequence[float], z: float = Z95) -> tuple[float, tuple[float, float]]:
+    """The mean of `values` with its normal 95% interval (sample standard deviation); NaNs when too few values."""
+    n = len(values)
+    if n == 0:
+        return float("nan"), (float("nan"), float("nan"))
+    mean = sum(values) / n
+    if n < 2:
+        return mean, (float("nan"), float("nan"))
+    half = z * math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+    return mean, (mean - half, mean + half)
+
+
+def difference_interval(
+    a: tuple[float, tuple[float, float]], b: tuple[float, tuple[float, float]]
+) -> tuple[float, tuple[float, float]]:
+    """b - a of two independent normal estimates `(value, (low, high))`, the half-widths added in quadrature."""
+    (va, (la, ha)), (vb, (lb, hb)) = a, b
+    half = math.hypot((ha - la) / 2, (hb - lb) / 2)
+    return vb - va, (vb - va - half, vb - va + half)
+
+
+@dataclass(frozen=True)
+class Trend:
+    """A least-squares line through (x, y): `rise` is the fitted change from the first x to the last."""
+
+    n: int
+    slope: float
+    rise: float
+    rise_ci: tuple[float, float]  # normal 95% interval from the slope's standard error
+
+
+def linear_trend(xs: Sequence[float], ys: Sequence[float], z: float = Z95) -> Trend:
+    """Ordinary least squares of y on x; rise = slope * (max x - min x); NaN interval when x does not vary."""
+    n = len(xs)
+    nan = float("nan")
+    if n < 3 or len(set(xs)) < 2:
+        return Trend(n, nan, nan, (nan, nan))
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    resid = sum((y - my - slope * (x - mx)) ** 2 for x, y in zip(xs, ys, strict=True))
+    se = math.sqrt(resid / (n - 2) / sxx)
+    span = max(xs) - min(xs)
+    rise = slope * span
+    return Trend(n, slope, rise, (rise - z * se * span, rise + z * se * span))

@@ -1,14 +1,13 @@
-"""Start-up self-test: three cheap checks that catch a silently broken run before it costs hours.
+"""Self-test before the first step (and on every resume): cheap checks that catch a silently broken run
+before it costs hours. Each failure raises MappaError with its own one-line reason; the run stops there.
 
-1. Each agent generates with its own trainable weights: its trainable parameters are perturbed (and
-   restored), and (a) its log-probs of a fixed sequence must move, (b) no other agent's log-probs may
-   move, (c) the log-probs `generate` reports for a fresh sample must equal `forward_logprobs` under
-   that agent (so PPO's old_logp and the update see the same policy), and differ from the base model.
-   A LoRA adapter that is not hooked into the forward pass, an adapter shared by mistake, or
-   generation that runs on the base model each fail here.
+1. Each agent generates with its own trainable weights. Outside `shared` mode no two agents may hold the same
+   trainable tensors (aliased adapters). Each agent's trainable parameters are perturbed (and restored), and
+   (a) its log-probs of a fixed sequence must move (the adapter is in the forward pass), (b) no other agent's
+   may move, (c) a fresh sample must report log-probs equal to `forward_logprobs` under that agent (so PPO's
+   old_logp and the update see the same policy), not the base model's.
 2. The code tool is reached: `print(6 * 7)` runs in the sandbox and prints 42.
-3. The coach's reply parses: one judgment of a trivial action comes back with a score.
-Any failure raises MappaError with the reason; the run stops before its first step.
+3. The coach answers (an endpoint that is down or refuses is its own error) and its reply parses into a score.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from typing import Any
 
 import torch
 
+from mappa.coach.judge import REQUEST_FAILED
 from mappa.errors import MappaError
 from mappa.types import CoachContext, Message
 
@@ -48,20 +48,55 @@ def _mean_abs(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return float((a[m] - b[m]).abs().mean()) if m.any() else 0.0
 
 
+def _groups(policy: Any, agents: Sequence[str]) -> dict[int, str]:
+    """One agent per set of trainable weights (all of them in `shared` mode); aliased weights are an error."""
+    groups: dict[int, str] = {}
+    owner: dict[int, str] = {}
+    for agent in agents:
+        params = policy.trainable_parameters(agent)
+        if not params:
+            raise MappaError(f"self-test: agent {agent!r} has no trainable parameters")
+        ids = {id(p) for p in params}
+        if policy.agent_weights != "shared" and (shared := ids & set(owner)):
+            raise MappaError(
+                f"self-test: agents {owner[next(iter(shared))]!r} and {agent!r} share trainable weights although "
+                f"model.agent_weights is {policy.agent_weights!r} (aliased adapters: one would train the other)"
+            )
+        owner.update(dict.fromkeys(ids, agent))
+        groups.setdefault(id(params[0]), agent)
+    return groups
+
+
+def _check_generation(policy: Any, agent: str, seed: int) -> None:
+    """Check 1c, with the agent's weights perturbed: generate's log-probs are the agent's, not the base's."""
+    gen = policy.generate(agent, [_PROBE], max_new_tokens=8, temperature=1.0, seed=seed)[0]
+    if not gen.response_ids:
+        raise MappaError(f"self-test: agent {agent!r} generated no tokens")
+    own, m = policy.forward_logprobs(agent, [gen.prompt_ids], [gen.response_ids])
+    ref, _ = policy.forward_logprobs(None, [gen.prompt_ids], [gen.response_ids])
+    reported = torch.tensor(gen.logprobs, dtype=own.dtype, device=own.device)[None]
+    # bf16 kernels differ between the batched generate and the forward pass; fp32 agrees closely
+    tol = 0.05 if own.dtype == torch.float32 else 0.25
+    gap_own, gap_ref = _mean_abs(reported, own, m), _mean_abs(reported, ref, m)
+    if gap_ref < min(gap_own, tol) and _mean_abs(own, ref, m) >= 1e-4:  # closer to the base than to the agent
+        raise MappaError(f"self-test: agent {agent!r} generates with the base weights, not its own")
+    if gap_own > tol:
+        raise MappaError(
+            f"self-test: agent {agent!r}: generate's log-probs differ from the forward pass by {gap_own:.3f} "
+            "nats/token (generation does not use the agent's weights, or reports misaligned log-probs)"
+        )
+
+
 def check_agents(policy: Any, agents: Sequence[str], seed: int = 0) -> list[str]:
     """Check 1 for every update group; returns one line per agent checked."""
     prompt = policy.chat_ids(_PROBE)
     fixed = prompt[-8:]  # any token sequence works as the probe response
     lines = []
-    groups: dict[int, str] = {}
-    for agent in agents:  # agents that share one parameter set (shared mode) are checked once
-        groups.setdefault(id(policy.trainable_parameters(agent)[0]), agent)
+    groups = _groups(policy, agents)
     with torch.no_grad():
         before = {a: policy.forward_logprobs(a, [prompt], [fixed])[0] for a in agents}
     for key, agent in groups.items():
         params = policy.trainable_parameters(agent)
-        if not params:
-            raise MappaError(f"self-test: agent {agent!r} has no trainable parameters")
         backups = _perturb(params, seed)
         try:
             with torch.no_grad():
@@ -77,22 +112,7 @@ def check_agents(policy: Any, agents: Sequence[str], seed: int = 0) -> list[str]
                     same_group = id(policy.trainable_parameters(other)[0]) == key
                     if not same_group and _mean_abs(after[other][0], before[other], mask) > 1e-6:
                         raise MappaError(f"self-test: agent {other!r} changed when only {agent!r}'s weights did")
-                gen = policy.generate(agent, [_PROBE], max_new_tokens=8, temperature=1.0, seed=seed)[0]
-                if not gen.response_ids:
-                    raise MappaError(f"self-test: agent {agent!r} generated no tokens")
-                own, m = policy.forward_logprobs(agent, [gen.prompt_ids], [gen.response_ids])
-                ref, _ = policy.forward_logprobs(None, [gen.prompt_ids], [gen.response_ids])
-                reported = torch.tensor(gen.logprobs, dtype=own.dtype, device=own.device)[None]
-                # bf16 kernels differ between the batched generate and the forward pass; fp32 agrees closely
-                tol = 0.05 if own.dtype == torch.float32 else 0.25
-                gap_own = _mean_abs(reported, own, m)
-                if gap_own > tol:
-                    raise MappaError(
-                        f"self-test: agent {agent!r}: generate's log-probs differ from the forward pass by "
-                        f"{gap_own:.3f} nats/token (generation does not use the agent's weights)"
-                    )
-                if _mean_abs(reported, ref, m) < 1e-4:
-                    raise MappaError(f"self-test: agent {agent!r} generates with the base weights, not its own")
+                _check_generation(policy, agent, seed)
         finally:
             _restore(params, backups)
         lines.append(f"agent {agent}: own trainable weights in forward and generate (|dlogp| {moved:.3f})")
@@ -108,7 +128,8 @@ def check_sandbox(sandbox: Any) -> str:
     finally:
         remove_workspace(ws)
     if result.infra_error or not result.ok or result.stdout.strip() != "42":
-        why = result.infra_error or result.stderr.strip()[-200:] or f"stdout {result.stdout[:50]!r}"
+        limit = "timed out" if result.timed_out else "memory limit exceeded" if result.memory_exceeded else ""
+        why = result.infra_error or limit or result.stderr.strip()[-200:] or f"stdout {result.stdout[:50]!r}"
         raise MappaError(f"self-test: the code tool failed on print(6 * 7): {why}")
     return f"code tool: print(6 * 7) -> 42 in {result.duration_s:.2f} s"
 
@@ -126,6 +147,8 @@ def check_coach(score_many: Any, workflow_name: str, agent: str) -> str:
         ground_truth="5",
     )
     score = score_many([ctx])[0]
+    if score.score is None and score.error is not None and score.error.startswith(REQUEST_FAILED):
+        raise MappaError(f"self-test: the coach did not answer ({score.error})")
     if score.score is None:
         raise MappaError(
             f"self-test: the coach's reply did not parse ({score.error or 'no PROCESS_SCORE line'}): "

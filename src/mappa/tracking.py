@@ -127,7 +127,8 @@ def new_run_dir(cfg: Config) -> Path:
     """A fresh run directory with config.yaml and run.json; an existing run there is an error."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(cfg.run_dir.format(name=cfg.name, time=stamp))
-    if (run_dir / "checkpoints").exists():
+    # A run killed before its first checkpoint has logs but no checkpoints: never write over those either.
+    if any((run_dir / name).exists() for name in ("checkpoints", "run.json", "metrics.jsonl", "episodes.jsonl")):
         raise MappaError(f"run_dir {run_dir} already holds a run; use --resume {run_dir} or another run_dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg), encoding="utf-8")

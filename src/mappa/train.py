@@ -4,12 +4,14 @@ Read top to bottom: `setup()` builds the run state (or restores it from the last
 is one step, `train()` is the loop. One step:
   1. draw `prompts_per_step` tasks (`rollout.pick_tasks`: a seeded permutation per pass; the cursor is
      checkpointed) and play `samples_per_prompt` episodes of each in lockstep, sampling from the seed
-     `seed + step`; the coach scores every action as it lands;
+     `seed + step` (`generation.backend`: the policy itself, or a LoRA server sent each step's adapters);
+     the coach scores every action as it lands;
   2. rewards (`mappa.rewards`): each action's coach score, or with `coach.backend: outcome` the episode's
      10/0 for every action; per update group (one per agent, or one for all with `model.agent_weights:
      shared`) keep the actions that are scored, not truncated and whose tool call did not hit an infra_error;
-  3. per group (`update_group`): reference log-probs from the base model (adapters off) and old log-probs
-     from the policy as it was at rollout time, both before the first optimizer step; token rewards
+  3. per group (`mappa.update.update_group`): reference log-probs from the base model (adapters off) and old log-probs
+     from the policy as it was at rollout time (recomputed, always with a server), both before the first
+     optimizer step; token rewards
      -kl_coef * (logp_old - logp_ref) + score/10 on the last token, returns, advantages whitened once over
      the group's whole batch (`mappa.rl`);
   4. the batch shuffled (seeded) into mini-batches of `train.mini_batch_size` actions, `train.epochs` passes:
@@ -38,26 +40,25 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from mappa import rl
-from mappa.checkpoint import restore_run, save_checkpoint
-from mappa.config import Config
+from mappa.checkpoint import kept_rng, restore_run, save_checkpoint
+from mappa.config import Config, dump_config
 from mappa.errors import MappaError
 from mappa.evaluate import eval_gain, eval_tasks, evaluate, gain_metrics, write_eval
+from mappa.generation import adapter_root, build_generator, close_generator, step_sync
 from mappa.metrics import Gain, episode_metrics
 from mappa.protocols import ProgressFn, Runtime, Workflow
 from mappa.rewards import RewardMode, per_action_scores, reward_mode, select_actions
 from mappa.rollout import pick_tasks, train_tasks
 from mappa.tracking import Tracker, append_episodes
-from mappa.types import Action, Episode, Task
-
-STEP_STATS = ("loss", "grad_norm", "clip_frac", "ratio_mean", "approx_kl")  # per optimizer step
+from mappa.types import Episode, Task
+from mappa.update import UpdateJob, apply_update, build_optimizer, config_groups
 
 
 @dataclass(frozen=True)
@@ -68,88 +69,6 @@ class Event:
     step: int
     text: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-# ---------------------------------------------------------------------------------------------------- the update
-def _optimizer_step(
-    policy: Any, optimizer: torch.optim.Optimizer, actions: Sequence[Action], idx: Sequence[int],
-    old_logp: torch.Tensor, adv: torch.Tensor, cfg: Config,
-) -> dict[str, float]:  # fmt: skip
-    """One optimizer step on the mini-batch `idx`: micro-batches (sorted by length to pad less), each weighted
-    by its share of the mini-batch's tokens, so the loss is the mini-batch's token mean."""
-    t = cfg.train
-    order = sorted(idx, key=lambda i: len(actions[i].response_ids))
-    micro = [order[i : i + t.micro_batch_size] for i in range(0, len(order), t.micro_batch_size)]
-    total = float(sum(len(actions[i].response_ids) for i in idx))
-    sums = dict.fromkeys(STEP_STATS, 0.0)
-    optimizer.zero_grad(set_to_none=True)
-    with torch.enable_grad():
-        for rows in micro:
-            logp, m = policy.forward_logprobs(
-                actions[0].agent, [actions[i].prompt_ids for i in rows], [actions[i].response_ids for i in rows]
-            )
-            sel, width = torch.tensor(rows, device=old_logp.device), m.shape[1]
-            loss, stats = rl.clipped_pg_loss(
-                logp.float(), old_logp[sel, :width], adv[sel, :width], m.float(), t.clip_eps
-            )
-            weight = float(m.sum()) / total
-            (loss * weight).backward()
-            sums["loss"] += float(loss.detach()) * weight
-            for k in ("clip_frac", "ratio_mean", "approx_kl"):
-                sums[k] += stats[k] * weight
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {**sums, "tokens": total, "lr": optimizer.param_groups[0]["lr"]}
-
-
-def update_group(
-    policy: Any, optimizer: torch.optim.Optimizer, actions: Sequence[Action], scores: Sequence[float], cfg: Config,
-    *, seed: int = 0, lr: Callable[[float], float] | None = None,
-    on_step: Callable[[dict[str, float]], None] | None = None,
-) -> dict[str, float]:  # fmt: skip
-    """REINFORCE++ / PPO-clip on one group's rollout batch, in mini-batches; returns the update's metrics.
-
-    The group's agents share their trainable weights (that is what a group is: one optimizer), so the first
-    action's agent stands for all of them in every forward pass.
-
-    `lr(f)`: the learning rate of the optimizer step that ends at fraction `f` of this update (None: leave
-    the optimizer's). `on_step(stats)` after each optimizer step (loss, grad_norm, clip_frac, ratio_mean, ...).
-    """
-    t = cfg.train
-    prompts, responses = [a.prompt_ids for a in actions], [a.response_ids for a in actions]
-    # Both before the first optimizer step: the reference, and the rollout-time policy every ratio is against.
-    ref_logp, mask = policy.sequence_logprobs(None, prompts, responses, micro_batch_size=t.micro_batch_size)
-    mask, ref_logp = mask.float(), ref_logp.float()
-    if t.recompute_old_logprobs:
-        old_logp, _ = policy.sequence_logprobs(
-            actions[0].agent, prompts, responses, micro_batch_size=t.micro_batch_size
-        )
-        old_logp = old_logp.float()
-    else:
-        rows = [torch.tensor(a.logprobs, dtype=torch.float32) for a in actions]
-        old_logp = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(mask.device)
-    score_t = torch.tensor(scores, dtype=torch.float32, device=mask.device) / 10.0  # reward scale: every workflow
-    adv = rl.reinforce_pp_advantages(score_t, old_logp, ref_logp, mask, t.kl_coef, t.gamma)  # whitened once
-    batches = rl.minibatches(len(actions), t.mini_batch_size, t.epochs, seed)
-    steps = []
-    for j, idx in enumerate(batches):
-        if lr is not None:
-            for group in optimizer.param_groups:
-                group["lr"] = lr((j + 1) / len(batches))
-        steps.append(_optimizer_step(policy, optimizer, actions, idx, old_logp, adv, cfg))
-        if on_step is not None:
-            on_step(steps[-1])
-    tokens = sum(s["tokens"] for s in steps)
-    valid = mask.bool()
-    return {
-        **{k: sum(s[k] * s["tokens"] for s in steps) / max(tokens, 1.0) for k in STEP_STATS},  # token-weighted
-        "optimizer_steps": float(len(steps)),
-        "kl": float((old_logp - ref_logp)[valid].mean()) if valid.any() else 0.0,
-        "advantage_abs": float(adv[valid].abs().mean()) if valid.any() else 0.0,
-        "tokens": float(mask.sum()),
-    }
 
 
 # ---------------------------------------------------------------------------------------------------- the run
@@ -173,23 +92,26 @@ class Run:
     progress: ProgressFn | None = None  # (actions done, total) while episodes play
     step: int = 0
     cursor: int = 0  # tasks drawn so far from the training stream
+    unscored_steps: int = 0  # consecutive steps in which the coach scored no action (`train.max_unscored_steps`)
+    generator: Any = None  # what episodes sample from: the policy, or a generation server (`mappa.generation`)
+    cluster: Any = None  # --ray: rollout workers hold sandbox and coach, trainer actors weights (mappa.distributed)
 
     def close(self) -> None:
-        self.sandbox.close()
-        self.coach.close()
+        close_generator(self.generator)
+        for part in (self.sandbox, self.coach, self.cluster):  # None where the cluster holds them
+            if part is not None:
+                part.close()
         self.tracker.close()
-
-
-def update_groups(agents: Sequence[str], agent_weights: str) -> dict[str, list[str]]:
-    """Which agents share one optimizer: each its own, or all in one ('shared' weights baseline)."""
-    return {"shared": list(agents)} if agent_weights == "shared" else {a: [a] for a in agents}
 
 
 def setup(
     cfg: Config, run_dir: Path, *, resume: bool = False, emit: Callable[[Event], None] | None = None,
-    progress: ProgressFn | None = None,
+    progress: ProgressFn | None = None, place: Callable[..., Any] | None = None,
 ) -> Run:  # fmt: skip
-    """Build the run: tasks, agents, optimizers, sandbox, coach, logs; restore the last checkpoint on resume."""
+    """Build the run: tasks, agents, optimizers, sandbox, coach, logs; restore the last checkpoint on resume.
+
+    `place(cfg, run_dir, agents, groups)` (`mappa.distributed.placement`): a cluster whose rollout workers hold
+    sandboxes and coaches and whose trainer actors hold the weights and optimizers; None: all in this process."""
     from mappa.coach import build_coach
     from mappa.policy import Policy
     from mappa.sandbox import Sandbox
@@ -198,38 +120,35 @@ def setup(
     emit = emit or (lambda event: None)
     torch.manual_seed(cfg.seed)  # LoRA dropout, if on; sampling is seeded per rollout, init by the policy
     workflow = build_workflow(cfg)
-    groups = update_groups(workflow.agents, cfg.model.agent_weights)
-    if unknown := set(cfg.train.agent_lr) - set(groups):
-        raise MappaError(f"train.agent_lr: unknown agent(s) {sorted(unknown)} (agents: {', '.join(groups)})")
+    groups = config_groups(cfg, workflow.agents)
     train_set, held_out = train_tasks(cfg), eval_tasks(cfg)
     emit(Event("status", 0, f"loading {cfg.model.name} ({len(workflow.agents)} agents, {cfg.model.agent_weights})"))
-    policy = Policy.from_config(
-        cfg.model, workflow.agents, seed=cfg.seed, generation_batch_size=cfg.generation.batch_size
-    )
-    t = cfg.train
-    optimizers = {
-        g: torch.optim.AdamW(
-            policy.trainable_parameters(members[0]),
-            lr=t.agent_lr.get(g, t.lr),
-            betas=tuple(t.adam_betas),
-            weight_decay=t.weight_decay,
-        )  # fmt: skip
-        for g, members in groups.items()
-    }
+    cluster = None if place is None else place(cfg, run_dir, workflow.agents, groups)
+    if cluster is None:
+        policy = Policy.from_config(
+            cfg.model, workflow.agents, seed=cfg.seed, generation_batch_size=cfg.generation.batch_size
+        )
+        optimizers = {g: build_optimizer(policy, members[0], g, cfg.train) for g, members in groups.items()}
+        coach, sandbox = build_coach(cfg.coach, cfg.workflow.name, policy=policy), Sandbox(cfg.sandbox)
+    else:  # checkpoints save and restore through the cluster's stand-ins for the policy and optimizers
+        policy, optimizers, coach, sandbox = cluster.weights, cluster.optimizers, None, None
     tracker = Tracker(
         run_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,
         run_name=run_dir.name, config=cfg.model_dump(mode="json"),
     )  # fmt: skip
     for warning in tracker.warnings:
         emit(Event("note", 0, warning))
-    coach = build_coach(cfg.coach, cfg.workflow.name, policy=policy)
-    sandbox = Sandbox(cfg.sandbox)
     run = Run(
         cfg, run_dir, workflow, groups, policy, optimizers, sandbox, coach, tracker, train_set, held_out,
-        reward_mode(cfg.coach.backend), emit, progress,
+        reward_mode(cfg.coach.backend), emit, progress, cluster=cluster,
     )  # fmt: skip
     try:
         restored = restore_run(run_dir, policy=policy, optimizers=optimizers) if resume else None
+        step = restored[1]["step"] if restored else 0  # a generation server starts from this step's adapters
+        if cluster is None:
+            run.generator = build_generator(cfg, policy, run_dir, step=step)
+        else:  # the rollout workers hold their own generators
+            cluster.step_sync(step)
     except BaseException:
         run.close()
         raise
@@ -240,26 +159,27 @@ def setup(
     return run
 
 
-def _train_group(run: Run, group: str, episodes: list[Episode], scores: list[list[float | None]]) -> dict[str, float]:
-    """Select the group's actions and update its weights; returns its `agent/<group>/...` metrics."""
-    t = run.cfg.train
-    actions, kept, dropped = select_actions(
-        episodes, scores, run.groups[group], run.cfg.coach.on_unscored, t.drop_truncated
-    )
-    out = {f"dropped_{why}": float(n) for why, n in dropped.items()}
-    out.update(actions_trained=float(len(actions)), optimizer_steps=0.0)
-    peak, step = t.agent_lr.get(group, t.lr), run.step
-
-    def lr(fraction: float) -> float:  # where this optimizer step ends in the whole run
-        return peak * rl.lr_factor((step + fraction) / max(t.steps, 1), t.warmup_ratio, t.min_lr_ratio)
-
-    if actions:
-        run.emit(Event("status", step + 1, f"step {step + 1}: updating {group} on {len(actions)} actions"))
-        seed = run.cfg.seed * 1_000_003 + step * 101 + list(run.groups).index(group)
-        out.update(update_group(run.policy, run.optimizers[group], actions, kept, run.cfg, seed=seed, lr=lr))
-        out["reward_mean"] = sum(kept) / len(kept)
-    out["lr"] = run.optimizers[group].param_groups[0]["lr"]
-    return {f"agent/{group}/{k}": v for k, v in out.items()}
+def _update_groups(run: Run, episodes: list[Episode], scores: list[list[float | None]]) -> dict[str, float]:
+    """Select each group's actions and update its weights: one group after another here, all at once on their
+    trainer actors with --ray. Returns the `agent/<group>/...` metrics."""
+    cfg, t, step, jobs, out = run.cfg, run.cfg.train, run.step, {}, {}
+    for i, (g, members) in enumerate(run.groups.items()):
+        actions, kept, dropped = select_actions(episodes, scores, members, cfg.coach.on_unscored, t.drop_truncated)
+        out[g] = {f"dropped_{why}": float(n) for why, n in dropped.items()}
+        out[g].update(actions_trained=float(len(actions)), optimizer_steps=0.0)
+        if kept:
+            out[g]["reward_mean"] = sum(kept) / len(kept)
+        jobs[g] = UpdateJob(actions, kept, cfg.seed * 1_000_003 + step * 101 + i, t.agent_lr.get(g, t.lr), step)
+    if run.cluster is not None:
+        run.emit(Event("status", step + 1, f"step {step + 1}: updating {len(jobs)} groups on their trainer actors"))
+        done = run.cluster.update(jobs)
+    else:
+        done = {}
+        for g, job in jobs.items():
+            if job.actions:
+                run.emit(Event("status", step + 1, f"step {step + 1}: updating {g} on {len(job.actions)} actions"))
+            done[g] = apply_update(run.policy, run.optimizers[g], job, cfg)
+    return {f"agent/{g}/{k}": v for g in run.groups for k, v in {**out[g], **done[g]}.items()}
 
 
 def train_step(run: Run) -> dict[str, float]:
@@ -267,36 +187,58 @@ def train_step(run: Run) -> dict[str, float]:
     cfg, t = run.cfg, run.cfg.train
     t0 = time.perf_counter()
     run.emit(Event("status", run.step + 1, f"step {run.step + 1}: rollouts"))
-    tasks = pick_tasks(run.train_set, t.prompts_per_step, cfg.seed, start=run.cursor)
-    episodes = run.workflow.run(
-        [task for task in tasks for _ in range(t.samples_per_prompt)], Runtime(run.policy, run.sandbox, run.coach),
-        seed=cfg.seed + run.step + 1, progress=run.progress,
-    )  # fmt: skip
+    tasks = pick_tasks(run.train_set, t.prompts_per_step, cfg.seed, start=run.cursor, stratify_by=t.stratify_by)
+    batch, seed = [task for task in tasks for _ in range(t.samples_per_prompt)], cfg.seed + run.step + 1
+    if run.cluster is not None:  # the rollout workers play shares of the batch at once
+        episodes = run.cluster.play(batch, seed)
+    else:
+        rt = Runtime(run.generator, run.sandbox, run.coach)
+        episodes = run.workflow.run(batch, rt, seed=seed, progress=run.progress)
     t_rollout = time.perf_counter() - t0
     metrics = episode_metrics(episodes, run.workflow.agents, "train")
     scores = per_action_scores(episodes, run.reward)
-    for group in run.groups:
-        metrics.update(_train_group(run, group, episodes, scores))
+    metrics.update(_update_groups(run, episodes, scores))
     run.step += 1
     run.cursor += t.prompts_per_step
+    if run.cluster is not None:  # the new weights to every actor (and the server); generation counters
+        metrics.update(run.cluster.step_sync(run.step, metrics))
+    else:
+        metrics.update(step_sync(run.generator, run.policy, adapter_root(cfg, run.run_dir), run.step, metrics))
     t_total = time.perf_counter() - t0
     rollout_tokens = sum(len(a.response_ids) for e in episodes for a in e.actions)
     update_tokens = sum(v for k, v in metrics.items() if k.startswith("agent/") and k.endswith("/tokens"))
     metrics.update(
-        {
-            "time/rollout_s": t_rollout,
-            "time/update_s": t_total - t_rollout,
-            "time/rollout_tokens_per_s": rollout_tokens / max(t_rollout, 1e-9),
-            "time/update_tokens_per_s": update_tokens / max(t_total - t_rollout, 1e-9),
-            **{f"coach/{k}": float(v) for k, v in run.coach.stats().items()},
-        }
-    )
+        {"time/rollout_s": t_rollout, "time/update_s": t_total - t_rollout,
+         "time/rollout_tokens_per_s": rollout_tokens / max(t_rollout, 1e-9),
+         "time/update_tokens_per_s": update_tokens / max(t_total - t_rollout, 1e-9),
+         **{f"coach/{k}": float(v) for k, v in (run.cluster or run.coach).stats().items()}}
+    )  # fmt: skip
     append_episodes(run.run_dir / "episodes.jsonl", episodes, run.step)
     run.tracker.log(metrics, run.step)
     if run.step % t.checkpoint_every == 0 or run.step == t.steps:
         state = {"cursor": run.cursor}
         save_checkpoint(run.run_dir, run.step, policy=run.policy, optimizers=run.optimizers, state=state)
+    _stop_if_unscored(run, episodes, scores)
     return metrics
+
+
+def _stop_if_unscored(run: Run, episodes: list[Episode], scores: list[list[float | None]]) -> None:
+    """Stop after `train.max_unscored_steps` consecutive steps in which the coach scored no action: an endpoint
+    that went down must not leave hours of steps that train nothing. Called after the step is logged and
+    checkpointed, so the run resumes where it stopped once the coach answers again."""
+    flat = [s for row in scores for s in row]
+    if run.reward != "coach" or not flat or any(s is not None for s in flat):
+        run.unscored_steps = 0
+        return
+    run.unscored_steps += 1
+    limit = run.cfg.train.max_unscored_steps
+    if limit and run.unscored_steps >= limit:
+        errors = [a.coach.error for e in episodes for a in e.actions if a.coach is not None and a.coach.error]
+        why = " ".join((errors[-1] if errors else "no coach score").split())[:200]
+        raise MappaError(
+            f"coach: no action scored in {run.unscored_steps} consecutive steps (last: {why}); stopped after step "
+            f"{run.step}, checkpointed: fix the coach, then mappa train --resume {run.run_dir}"
+        )
 
 
 def run_eval(run: Run, tag: str) -> dict[str, float]:
@@ -304,7 +246,10 @@ def run_eval(run: Run, tag: str) -> dict[str, float]:
     cfg = run.cfg
     what = f"{len(run.held_out)} held-out tasks x {cfg.eval.samples} at T={cfg.eval.temperature}"
     run.emit(Event("status", run.step, f"evaluating ({tag}): {what}"))
-    metrics, episodes = evaluate(cfg, run.policy, run.sandbox, run.held_out, progress=run.progress)
+    if run.cluster is not None:  # each rollout worker evaluates a share of the tasks
+        metrics, episodes = run.cluster.evaluate(run.held_out)
+    else:
+        metrics, episodes = evaluate(cfg, run.generator, run.sandbox, run.held_out, progress=run.progress)
     write_eval(run.run_dir / "eval", tag, {"step": run.step, **metrics}, episodes)
     run.tracker.log(metrics, run.step)
     run.emit(Event("eval", run.step, tag, metrics))
@@ -321,18 +266,27 @@ class TrainResult:
 
 def train(
     cfg: Config, run_dir: Path, *, resume: bool = False, emit: Callable[[Event], None] | None = None,
-    progress: ProgressFn | None = None,
+    progress: ProgressFn | None = None, place: Callable[..., Any] | None = None,
 ) -> TrainResult:  # fmt: skip
-    """Train per the module docstring: self-test, start eval, `train.steps` steps, final eval and gain."""
+    """Train per the module docstring: self-test, start eval, `train.steps` steps, final eval and gain (`place`:
+    the Ray cluster, see `setup`)."""
     from mappa.selftest import run_self_test
 
-    run = setup(cfg, run_dir, resume=resume, emit=emit, progress=progress)
+    run = setup(cfg, run_dir, resume=resume, emit=emit, progress=progress, place=place)
     try:
+        if cfg.train.self_test:  # on resume too: the coach or the sandbox may have broken while the run was stopped
+            with kept_rng():  # ...and without moving the RNG that the resumed steps sample from
+                agents, name = run.workflow.agents, cfg.workflow.name
+                lines = (  # with Ray on a rollout worker: its policy copy, sandbox and coach
+                    run.cluster.self_test()
+                    if run.cluster is not None
+                    else run_self_test(run.policy, agents, run.sandbox, run.coach.score_many, name)
+                )
+                for line in lines:
+                    run.emit(Event("note", run.step, f"self-test ok: {line}"))
+        if resume:  # a resume's --set overrides are kept once its checkpoint loaded and the self-test passed
+            (run_dir / "config.yaml").write_text(dump_config(cfg), encoding="utf-8")
         if run.step == 0:
-            if cfg.train.self_test:
-                agents = run.workflow.agents
-                for line in run_self_test(run.policy, agents, run.sandbox, run.coach.score_many, cfg.workflow.name):
-                    run.emit(Event("note", 0, f"self-test ok: {line}"))
             run_eval(run, "start")
         while run.step < cfg.train.steps:
             run.emit(Event("step", run.step + 1, metrics=train_step(run)))

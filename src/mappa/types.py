@@ -111,6 +111,9 @@ class Action(Record):
     truncated: bool = False  # hit the per-action token cap without EOS
     exec_result: ExecResult | None = None  # None: the action held no code
     coach: CoachScore | None = None
+    # What the coach is shown beyond the agent's messages, recorded so a replay rebuilds the same context; never
+    # shown to the agent (file-passing workflows: the files before and after the action, the Analyst's test score).
+    evidence: dict[str, Any] = Field(default_factory=dict)
 
 
 class Episode(Record):

@@ -1,4 +1,4 @@
-"""`mappa` command line: train | eval | rollout | coach score | serve | sandbox run | trace.
+"""`mappa` command line: train, eval, rollout, coach, serve, sandbox, trace, probe, report, blame, compare, dsbench.
 
 The CLI layer is the edge: every command and all console output live in `mappa.cli.<command>`; domain
 modules return records and take an optional progress callback. This module only parses arguments and
@@ -40,8 +40,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from mappa.cli.train import train_command
     from mappa.config import load_config
 
-    cfg = None if args.resume and args.config is None else load_config(args.config, args.overrides)
-    return train_command(cfg, resume=args.resume, overrides=args.overrides)
+    # No CONFIG: a resume reads the run's own; --set alone trains the built-in defaults; nothing at all is an error.
+    bare = args.config is None and (args.resume or not args.overrides)
+    cfg = None if bare else load_config(args.config, args.overrides)
+    return train_command(cfg, resume=args.resume, overrides=args.overrides, ray=args.ray)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -103,6 +105,83 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return trace_command(args.run_dir, episode=args.episode, step=args.step)
 
 
+def _cmd_probe(args: argparse.Namespace) -> int:
+    from mappa.cli.probe import probe_command
+
+    return probe_command(
+        args.run_dir, force=args.force, prompts=args.prompts, gsm8k=args.gsm8k, gsm8k_tokens=args.gsm8k_tokens
+    )
+
+
+def _add_probe_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("probe", help="specialisation and forgetting per checkpoint (KL from the base, NLLs)")
+    p.add_argument("run_dir")
+    p.add_argument("--force", action="store_true", help="measure checkpoints already in probe.jsonl again")
+    p.add_argument("--prompts", type=int, default=16, help="role prompts per agent (from eval/start.jsonl)")
+    p.add_argument("--gsm8k", type=int, default=0, metavar="N", help="also N GSM8K questions answered alone")
+    p.add_argument("--gsm8k-tokens", type=int, default=256, help="token cap of a GSM8K answer")
+    p.set_defaults(func=_cmd_probe)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from mappa.cli.report import report_command
+
+    return report_command(args.run_dirs, out=args.out, overrides=args.overrides)
+
+
+def _cmd_blame(args: argparse.Namespace) -> int:
+    from mappa.cli.blame import blame_command
+
+    return blame_command(args.run_dir, step=args.step, latest=args.latest)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from mappa.cli.compare import compare_command
+
+    return compare_command(args.run_dirs, json_out=args.json)
+
+
+def _cmd_dsbench(args: argparse.Namespace) -> int:
+    from mappa.cli.dsbench import build_command, list_command
+
+    if args.dsbench_command == "build":
+        return build_command(args.out, seed=args.seed, only=args.only)
+    return list_command(args.dir)
+
+
+def _add_analysis_commands(sub: argparse._SubParsersAction) -> None:
+    """report | blame | compare: read run directories, rerun nothing (docs/analysis.md)."""
+    p = sub.add_parser("report", help="an HTML report of one or more runs, rebuilt from their files")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--out", default=None, metavar="FILE.html", help="default: RUN_DIR/report.html")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="analysis.KEY=VALUE")
+    p.set_defaults(func=_cmd_report)
+
+    p = sub.add_parser("blame", help="failed episodes by the agent the coach scored lowest, and the kind of failure")
+    p.add_argument("run_dir")
+    p.add_argument("--step", type=int, default=None, help="only episodes of this step")
+    p.add_argument("--latest", type=int, default=10, help="how many of the latest failed episodes to show")
+    p.set_defaults(func=_cmd_blame)
+
+    p = sub.add_parser("compare", help="final metrics of several runs with 95%% intervals and their differences")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the table as JSON")
+    p.set_defaults(func=_cmd_compare)
+
+
+def _add_dsbench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("dsbench", help="the offline mini-DSBench: Kaggle-style tabular tasks (docs/dsbench.md)")
+    dsub = p.add_subparsers(dest="dsbench_command", required=True)
+    d = dsub.add_parser("build", help="build the benchmark into a directory (byte-identical for one seed)")
+    d.add_argument("--out", required=True, metavar="DIR")
+    d.add_argument("--seed", type=int, default=42, help="split and sampling seed")
+    d.add_argument("--only", nargs="+", default=[], metavar="ID", help="build only these task ids")
+    d.set_defaults(func=_cmd_dsbench)
+    d = dsub.add_parser("list", help="the catalogue, or with --dir a built benchmark's tasks and scores")
+    d.add_argument("--dir", default=None, metavar="DIR")
+    d.set_defaults(func=_cmd_dsbench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mappa", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -111,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", default=None, help="YAML preset (omit with --resume)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    ray_help = "rollout workers and a trainer per agent on Ray: a new local cluster, the running one, or its address"
+    p.add_argument("--ray", default=None, metavar="local|auto|ADDRESS", help=ray_help + " (docs/scale.md)")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("eval", help="evaluate agents (base or a checkpoint) with a rule-based answer check")
@@ -174,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--episode", default=None, help="episode id (default: the latest failed episode)")
     p.add_argument("--step", type=int, default=None, help="only episodes of this step")
     p.set_defaults(func=_cmd_trace)
+
+    _add_probe_command(sub)
+    _add_analysis_commands(sub)
+    _add_dsbench_parser(sub)
     return parser
 
 

@@ -48,6 +48,10 @@ def score_command(cfg: Config, episodes: str | Path, out: str | Path) -> int:
     out = Path(out)
     if out.is_dir():
         raise MappaError(f"--out {out}: is a directory; give a FILE.jsonl")
+    try:  # before any coach call is paid for, not after
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MappaError(f"--out {out}: cannot create its directory ({e.strerror or e})") from None
     recorded = read_jsonl(episodes, Episode)
     if not recorded:
         raise MappaError(f"{episodes}: no episodes")
@@ -55,7 +59,7 @@ def score_command(cfg: Config, episodes: str | Path, out: str | Path) -> int:
     runner = build_coach(cfg.coach, recorded[0].workflow)
     columns = (TextColumn(f"coach ({cfg.coach.backend})"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
-        with Progress(*columns, console=console) as bar:
+        with Progress(*columns, console=console, transient=True) as bar:  # the table below keeps the numbers
             task = bar.add_task("score", total=sum(len(ep.actions) for ep in recorded))
             scored = score_episodes(runner, recorded, cfg, lambda done, total: bar.update(task, completed=done))
     finally:

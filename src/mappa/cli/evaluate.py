@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from mappa.config import Config
+from mappa.errors import MappaError
 from mappa.evaluate import eval_tasks, evaluate, policy_dir, write_eval
 from mappa.metrics import sources, wilson_interval
 from mappa.protocols import ProgressFn
@@ -74,7 +75,7 @@ def eval_command(cfg: Config, checkpoint: str | None, out: str | None) -> int:
     console = Console(stderr=True)
     weights = policy_dir(Path(checkpoint)) if checkpoint is not None else None  # a typo fails before loading
     console.print(describe_confinement(cfg.sandbox.confinement), highlight=False, soft_wrap=True)
-    from mappa.policy import Policy
+    from mappa.policy import MANIFEST, Policy
     from mappa.sandbox import Sandbox
     from mappa.workflows import build_workflow
 
@@ -86,6 +87,11 @@ def eval_command(cfg: Config, checkpoint: str | None, out: str | None) -> int:
         else:
             policy = Policy.from_checkpoint(weights, device=cfg.model.device)
             tag = weights.name if weights.name != "policy" else weights.parent.name
+            if missing := [a for a in agents if a not in policy.agents]:
+                raise MappaError(
+                    f"{weights / MANIFEST}: the checkpoint has agents {list(policy.agents)}, workflow "
+                    f"{cfg.workflow.name!r} needs {missing} too"
+                )
     out_dir = Path(out) if out else (Path(checkpoint).parent.parent / "eval" if checkpoint else Path("runs/eval"))
     with Sandbox(cfg.sandbox) as sandbox, action_bar(console, "evaluating") as progress:
         metrics, episodes = evaluate(cfg, policy, sandbox, tasks, progress=progress)

@@ -29,11 +29,14 @@ def sandbox_run_command(
     if not path.is_file():
         raise MappaError(f"{path}: file not found")
     code = path.read_text(encoding="utf-8", errors="surrogateescape")
-    sys.stderr.write(describe_confinement(confinement) + "\n")
     fresh = workspace is None
-    ws = new_workspace() if fresh else Path(workspace)
     if not fresh:
-        ws.mkdir(parents=True, exist_ok=True)
+        try:
+            Path(workspace).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise MappaError(f"--workspace {workspace}: cannot create it ({e.strerror or e})") from None
+    sys.stderr.write(describe_confinement(confinement) + "\n")
+    ws = new_workspace() if fresh else Path(workspace)
     cfg = SandboxConfig(timeout_s=timeout_s, memory_mb=memory_mb, pool=pool, concurrency=1, confinement=confinement)
     try:
         with Sandbox(cfg) as sandbox:

@@ -16,12 +16,13 @@ from rich.console import Console
 from rich.progress import Progress, TaskID
 
 from mappa.cli.evaluate import COLUMNS, print_eval
-from mappa.config import Config, dump_config, load_config
+from mappa.config import Config, load_config
 from mappa.errors import MappaError
 from mappa.metrics import Gain
 from mappa.sandbox import describe_confinement
 from mappa.tracking import new_run_dir
 from mappa.train import Event, TrainResult, train
+from mappa.update import config_groups
 
 
 def _mean(metrics: dict[str, float], groups: list[str], key: str) -> float:
@@ -118,26 +119,45 @@ def _report(console: Console, result: TrainResult) -> None:
     console.print(f"run: {result.run_dir}", highlight=False, soft_wrap=True)
 
 
-def train_command(cfg: Config | None, resume: str | None, overrides: list[str]) -> int:
-    """`mappa train CONFIG [--set k=v]` or `mappa train --resume RUN_DIR [--set k=v]`."""
+def train_command(cfg: Config | None, resume: str | None, overrides: list[str], ray: str | None = None) -> int:
+    """`mappa train CONFIG [--set k=v]` or `mappa train --resume RUN_DIR [--set k=v]`; `--ray local|auto|ADDRESS`
+    places the run's work on a Ray cluster (`mappa.distributed`).
+
+    Nothing is written before the arguments check out: a fresh run's directory is created once its config is
+    valid, and a resume rewrites the run's config.yaml (with the --set overrides) only once its checkpoint has
+    loaded and the self-test has passed (`mappa.train.train`)."""
+    place = None
+    if ray is not None:  # a missing Ray is one line, before anything is written
+        from mappa.distributed import placement
+
+        place = placement(ray)
     if resume is not None:
         run_dir = Path(resume)
+        if cfg is not None:
+            raise MappaError(
+                "mappa train: give CONFIG or --resume RUN_DIR, not both (a resumed run keeps its own config.yaml; "
+                "change it with --set)"
+            )
         if not (run_dir / "config.yaml").is_file():
             raise MappaError(f"--resume {run_dir}: not a run directory (config.yaml missing)")
-        if cfg is None:  # the run's own config; --set may still extend it (e.g. train.steps=20)
-            cfg = load_config(run_dir / "config.yaml", overrides)
-        (run_dir / "config.yaml").write_text(dump_config(cfg), encoding="utf-8")
+        cfg = load_config(run_dir / "config.yaml", overrides)  # --set may extend it (e.g. train.steps=20)
     elif cfg is None:
         raise MappaError("mappa train: give a CONFIG file or --resume RUN_DIR")
     else:
+        from mappa.workflows import build_workflow
+
+        config_groups(cfg, build_workflow(cfg).agents)  # a bad train.agent_lr fails before the run dir exists
         run_dir = new_run_dir(cfg)
+    from mappa.generation import check_backend
+
+    check_backend(cfg)  # what a generation server cannot serve fails before any model loads
     console = Console(stderr=True)
     console.print(
         describe_confinement(cfg.sandbox.confinement), highlight=False, soft_wrap=True
     )  # never a silent downgrade
     printer = Printer(console, cfg)
     try:
-        result = train(cfg, run_dir, resume=resume is not None, emit=printer, progress=printer.progress)
+        result = train(cfg, run_dir, resume=resume is not None, emit=printer, progress=printer.progress, place=place)
     finally:
         printer.stop_bar()
     _report(console, result)

@@ -151,7 +151,9 @@ class OpenAICoach(ChatCoach):
             except openai.APITimeoutError:
                 last = f"timed out after {self.cfg.timeout_s:g} s"
             except openai.APIConnectionError as e:
-                last = f"connection error ({_short(str(e.__cause__ or e))})"
+                # Refused, reset or unresolvable: the server may be restarting, so it is retried like a 503;
+                # the reason names the URL, since a wrong coach.base_url is the usual cause when it persists.
+                last = f"cannot connect to {self.base_url} ({_short(str(e.__cause__ or e))})"
             except (openai.APIResponseValidationError, ValueError) as e:
                 self.counters.failures += 1
                 raise RequestFailed(f"invalid response: {_short(str(e))}") from None

@@ -60,23 +60,27 @@ errors it can see, and states one final answer in \\boxed{...};
 
 DS_PIPELINE = Template(
     name="ds_pipeline",
-    version="ds_pipeline-v2",
+    version="ds_pipeline-v3",
     system=_SYSTEM,
-    rubric="""The team builds a submission for a tabular machine-learning task through shared files: a Data \
-Engineer saves X_train.pkl, y_train.pkl and X_test.pkl; a Modeler saves model.pkl; an Analyst writes \
-submission.csv in the task's format. Each agent sees only the files saved so far.
+    rubric="""The team builds a submission for a Kaggle-style tabular machine-learning task through files in one \
+shared folder that starts with train.csv, test.csv, sample_submission.csv and description.txt. The Data Engineer \
+must save X_train.pkl, y_train.pkl and X_test.pkl; the Modeler must save model.pkl; the Analyst must write \
+submission.csv in the format of sample_submission.csv. The team succeeds only if submission.csv is valid. Each \
+agent sees the files present and the earlier agents' final messages; its code runs in the folder.
 Rate the action on:
-- required files for its role were saved (see the file lists), and its code ran;
-- root cause: if something is missing, blame the agent that failed to save it. FileNotFoundError for \
-X_test.pkl is the Data Engineer's fault, for model.pkl the Modeler's; KeyError/TypeError with both \
-present is the Analyst's. The culprit gets 0-2; an agent that failed only because an upstream file was \
-missing gets 3-5; text with no runnable code gets 0-2;
-- 10 is exceptional; 8-9: ran, saved everything, sound method; 6-7: minor issues; 4-5: errors or \
-missing outputs;
-- for the Analyst, cap the score by the real test metric when given: ROC-AUC/accuracy >= 0.85 or \
-RMSE < 10% of the target range: at most 9; 0.75-0.85 / 10-25%: 8; 0.65-0.75 / 25-50%: 6; \
-0.55-0.65 / > 50%: 4; below 0.55: 3. High accuracy with a very low F1 (a majority-class predictor) \
-scores about 4.""",
+- its role's required files (see the files before and after the action) and whether its code ran;
+- root cause, never an upstream failure: a missing required file is the fault of the agent that had to save \
+it. FileNotFoundError for X_test.pkl is the Data Engineer's fault, for model.pkl the Modeler's; KeyError or \
+TypeError with both present is the Analyst's. The culprit gets 0-2; an agent that failed only because an \
+upstream file was missing gets 3-5; text with no runnable code gets 0-2 (a short closing message after the \
+agent's files were saved is fine);
+- 10 is exceptional; 8-9: ran, saved everything, sound method; 6-7: minor issues; 4-5: errors or missing \
+outputs;
+- the Analyst only: its score must not exceed the hard cap given with the test-set evaluation. The cap comes \
+from the real test metric: ROC-AUC/accuracy >= 0.85 or RMSE < 10% of the target's range: at most 9; \
+0.75-0.85 / 10-25%: 8; 0.65-0.75 / 25-50%: 6; 0.55-0.65 / > 50%: 4; below 0.55: 3; for every metric also by \
+the share of the reference model's gain over a trivial prediction reached (>= 90%: 9, >= 70%: 8, >= 40%: 6, \
+>= 10%: 5, less: 4), so high accuracy from predicting the majority class scores about 4.""",
 )
 
 GENERIC = Template(
@@ -145,9 +149,10 @@ def render_context(ctx: CoachContext, cut: Cut = NO_CUT) -> str:
         parts.append("## Files the agent could see\n" + (", ".join(ctx.files_visible) or "(none)"))
         saved = [f"- {agent}: {', '.join(files) or '(nothing)'}" for agent, files in ctx.files_by_agent.items()]
         parts.append("## Files saved by each earlier agent\n" + ("\n".join(saved) or "(none)"))
+    parts.extend(_file_passing_sections(ctx))
     if ctx.extra:
         # Workflow evidence such as test-set metrics; never the ground truth for non-final agents.
-        shown = {k: v for k, v in ctx.extra.items() if k not in _HIDDEN_EXTRA}
+        shown = {k: v for k, v in ctx.extra.items() if k not in _HIDDEN_EXTRA and k not in _FILE_PASSING_EXTRA}
         if shown:
             parts.append("## Further evidence\n" + "\n".join(f"- {k}: {v}" for k, v in sorted(shown.items())))
     if ctx.is_final and ctx.ground_truth is not None:
@@ -157,6 +162,36 @@ def render_context(ctx: CoachContext, cut: Cut = NO_CUT) -> str:
 
 # Keys of CoachContext.extra that are bookkeeping, not evidence for the coach.
 _HIDDEN_EXTRA = frozenset({"episode_correct", "episode_id", "action_index"})
+# Keys of CoachContext.extra that file-passing workflows (ds_pipeline) fill and `_file_passing_sections` shows.
+_FILE_PASSING_EXTRA = frozenset(
+    {"files_after", "files_saved", "required_files", "missing_upstream", "test_evaluation", "target_statistics",
+     "score_cap", "score_cap_rule"}
+)  # fmt: skip
+
+
+def _file_passing_sections(ctx: CoachContext) -> list[str]:
+    """The file receipts of a file-passing workflow: files after the action, what it had to save and what is
+    missing upstream; for the final agent the test-set evaluation of its submission and its score cap."""
+    ex = ctx.extra
+    parts = []
+    if "files_after" in ex:
+        after = ", ".join(ex["files_after"]) or "(none)"
+        saved = ", ".join(ex.get("files_saved", ())) or "(none)"
+        parts.append(f"## Files after the action\n{after}\nCreated or changed by it: {saved}")
+    if ex.get("required_files"):
+        missing = [f for f in ex["required_files"] if f not in ex.get("files_after", ctx.files_visible)]
+        status = f"missing after the action: {', '.join(missing)}" if missing else "all present after the action"
+        parts.append(f"## Files this agent must save\n{', '.join(ex['required_files'])} ({status})")
+    if ex.get("missing_upstream"):
+        owed = [f"- {name} (the {agent}'s)" for name, agent in ex["missing_upstream"].items()]
+        parts.append("## Required files of earlier agents missing before the action\n" + "\n".join(owed))
+    if ctx.is_final and "test_evaluation" in ex:
+        test = "\n".join(f"- {k}: {v}" for k, v in ex["test_evaluation"].items())
+        stats = "\n".join(f"- {k}: {v}" for k, v in ex.get("target_statistics", {}).items())
+        parts.append(f"## Test-set evaluation of submission.csv after the action (final agent only)\n{test}")
+        parts.append(f"## Target statistics (train.csv)\n{stats}")
+        parts.append(f"## Hard cap on this action's score\n{ex.get('score_cap_rule', 'none')}")
+    return parts
 
 
 def build_messages(ctx: CoachContext, template: Template, cut: Cut = NO_CUT) -> ChatMessages:

@@ -10,6 +10,18 @@ trains on a real, if blunt, per-action signal:
 - any other agent: a substantive reply that commits to a result scores above one that does not.
 Non-final agents are never judged against the ground truth, even if a context carries one.
 Every score comes with a one-line rationale naming the rules that fired.
+
+The data-science pipeline (`workflow == "ds_pipeline"`) has its own rules (`ds_score`), over the file
+receipts the workflow records; a missing required file is its producer's fault, never a later agent's:
+- no code: 7 for a closing message once the agent's required files exist, else 1;
+- code ran: 8 with all its required files saved and a printed summary (7 silent); a required file
+  missing: 2, or 4 when an earlier agent's required file was missing too (it could not have made it);
+- code failed: 4 when the failure is an earlier agent's missing file (FileNotFoundError with one
+  missing), 5 when its own files were saved before the error, else 2;
+- the Analyst, whose context carries the test-set evaluation: a valid submission scores
+  6 + 4 x (share of the reference model's gain reached, at most 1), never above the score cap the
+  workflow derived from the test metric; an invalid one at most 2, unless an earlier agent's missing
+  file caused it (then the rules above, 4).
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ from collections.abc import Callable
 from mappa.protocols import CallCounters
 from mappa.types import CoachContext, CoachScore
 
-RULES_VERSION = "rubric-v2"
+RULES_VERSION = "rubric-v3"
 
 _BOXED_RE = re.compile(r"\\boxed\s*\{")
 _NUMBER_RE = re.compile(r"\d")
@@ -92,12 +104,65 @@ def _other_agent(ctx: CoachContext) -> tuple[float, list[str]]:
     return 4.0, ["reply commits to no result"]
 
 
+def _ds_code(ctx: CoachContext) -> tuple[float, list[str], bool]:
+    """The file rules of the data-science pipeline; also whether an upstream file's absence caused the failure."""
+    ex, result = ctx.extra, ctx.exec_result
+    after = set(ex.get("files_after", ctx.files_visible))
+    missing = [f for f in ex.get("required_files", ()) if f not in after]
+    upstream: dict[str, str] = ex.get("missing_upstream", {})
+    owed = ", ".join(f"{name} ({agent})" for name, agent in upstream.items())
+    if not _has_code(ctx.output):
+        if not missing:
+            return 7.0, ["no code: a closing message, its required files are saved"], False
+        return 1.0, ["no runnable ```python block", "missing " + ", ".join(missing)], False
+    if result is None:
+        return 3.0, ["code present but no tool output recorded"], False
+    if result.ok:
+        if not missing:
+            if result.stdout.strip():
+                return 8.0, ["code ran", "saved all required files"], False
+            return 7.0, ["code ran", "saved all required files", "printed nothing"], False
+        not_saved = "code ran but did not save " + ", ".join(missing)
+        if upstream:
+            return 4.0, [not_saved, f"earlier agents' files were missing: {owed}"], True
+        return 2.0, [not_saved + " (its own files)"], False
+    named = any(name in result.stderr for name in upstream)
+    if named or (upstream and "FileNotFoundError" in result.stderr):
+        return 4.0, [f"code failed on a missing upstream file: {owed} (the producer's fault)"], True
+    if not missing:
+        return 5.0, ["code raised an error after its required files were saved"], False
+    failed = "code timed out" if result.timed_out else "code raised an error"
+    return 2.0, [failed, "missing " + ", ".join(missing)], False
+
+
+def ds_score(ctx: CoachContext) -> tuple[float, list[str]]:
+    """The data-science pipeline's rules (module docstring): file receipts, then the Analyst's submission."""
+    score, why, upstream_caused = _ds_code(ctx)
+    test = ctx.extra.get("test_evaluation") if ctx.is_final else None
+    if test is None:
+        return score, why
+    if test["valid"]:
+        share = min(max(float(test["reference_fraction"]), 0.0), 1.0)
+        score = 6.0 + 4.0 * share
+        why = [f"valid submission: {test['metric']} {test['score']:.4g}, {share:.0%} of the reference model's gain"]
+        cap = ctx.extra.get("score_cap")
+        if cap is not None and score > cap:
+            score = float(cap)
+            why.append(f"capped {ctx.extra.get('score_cap_rule', cap)}")
+        return round(score, 2), why
+    if not upstream_caused and score > 2.0:
+        score = 2.0
+    return score, [*why, f"submission invalid: {test['reason']}"]
+
+
 def rubric_score(ctx: CoachContext) -> CoachScore:
     """The rules applied to one context (sync; the coach below wraps it in the async protocol)."""
     t0 = time.perf_counter()
     answer_correct: bool | None = None
     if not ctx.output.strip():
         score, why = 0.0, ["empty output"]
+    elif ctx.workflow == "ds_pipeline":
+        score, why = ds_score(ctx)
     elif ctx.is_final and ctx.ground_truth is not None:
         score, reason, answer_correct = _final(ctx)
         why = [reason]

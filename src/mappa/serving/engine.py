@@ -1,12 +1,15 @@
 """A local model as a continuously batched chat engine: what `mappa serve` runs.
 
 Requests go to one worker thread that runs a `mappa.serving.decoder.Decoder`. Requests that can share a batch
-(same agent, temperature, top-p and seed) join the running batch between decode steps and leave it
-as soon as they finish, so nobody waits for a batch to fill or for the slowest reply in it, and a
-follow-up request sent while others are still generating joins them at the next token. Requests
-with other settings wait until the running batch drains (it takes no newcomers while they wait).
-Prompt KV is kept in a `mappa.serving.prefix_cache.PrefixCache`: a follow-up that repeats an earlier request, or
-a prompt that shares its opening with one, prefills only what is new.
+(same model, temperature and top-p; a request's seed gives its row a sampler of its own) join the running
+batch between decode steps and leave it as soon as they finish, so nobody waits for a batch to fill or for
+the slowest reply in it, and a follow-up request sent while others are still generating joins them at the
+next token. Requests with other settings wait until the running batch drains (it takes no newcomers while
+they wait). Prompt KV is kept in a `mappa.serving.prefix_cache.PrefixCache`: a follow-up that repeats an
+earlier request, or a prompt that shares its opening with one, prefills only what is new.
+
+`chat_stream` yields a request's tokens as they are sampled (for server-sent events); `run` executes a
+function on the worker between batches (loading or unloading an adapter changes the model's modules).
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from mappa.models import load_base_model
-from mappa.policy import Generation, Policy
+from mappa.policy import DecodeRow, Generation, Policy
+from mappa.serving.adapters import ServedPolicy
 from mappa.serving.decoder import Decoder, decoding
 from mappa.serving.prefix_cache import PrefixCache
 from mappa.types import Message
@@ -50,8 +55,8 @@ class ChatRequest:
     seed: int | None = None
 
     def group_key(self) -> tuple:
-        """Requests with equal keys can decode in one batch (token caps and top-k are per row)."""
-        return (self.agent, self.temperature, self.top_p, self.seed)
+        """Requests with equal keys can decode in one batch (token caps, top-k and seeds are per row)."""
+        return (self.agent, self.temperature, self.top_p)
 
 
 @dataclass
@@ -59,6 +64,23 @@ class _Pending:
     request: ChatRequest
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    on_tokens: Callable[[list[int], list[float], list[Any]], None] | None = None  # streaming: called on the loop
+    sent: int = 0  # tokens already streamed
+
+    def ready(self, key: tuple) -> bool:
+        return self.request.group_key() == key
+
+
+@dataclass
+class _Command:
+    """A function to run on the worker between batches (`ChatEngine.run`)."""
+
+    fn: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future = field(repr=False)
+
+    def ready(self, key: tuple) -> bool:
+        return False  # never joins a batch; the running one takes no newcomers while it waits
 
 
 _STOP = object()
@@ -73,7 +95,7 @@ class ChatEngine:
     prefix-cache hits with the prompt tokens they saved from prefill.
     """
 
-    def __init__(self, policy: Policy, max_batch: int = 16, prefix_cache_mib: float = 512) -> None:
+    def __init__(self, policy: Policy | ServedPolicy, max_batch: int = 16, prefix_cache_mib: float = 512) -> None:
         self.policy = policy
         self.max_batch = max_batch
         # Served and coaching weights do not change, so prompt KV can be reused across requests.
@@ -118,12 +140,37 @@ class ChatEngine:
         """One response, decoded in a batch with whatever else is running."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
+        self._submit(_Pending(request, loop, future))
+        return await future
+
+    async def chat_stream(self, request: ChatRequest) -> AsyncIterator[tuple[list[int], list[float], list[Any]]]:
+        """`chat`, yielding (token ids, logprobs, top logprobs) as the tokens are sampled; the last item is the
+        whole Generation (`isinstance(item, Generation)`), whose tokens include those not yielded before."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        chunks: asyncio.Queue = asyncio.Queue()
+        future.add_done_callback(lambda _: chunks.put_nowait(None))  # after every chunk queued before it
+        self._submit(_Pending(request, loop, future, on_tokens=lambda *chunk: chunks.put_nowait(chunk)))
+        try:
+            while (chunk := await chunks.get()) is not None:
+                yield chunk
+            yield future.result()
+        finally:
+            future.cancel()  # the client went away: its row is not admitted any more
+
+    async def run(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the worker thread between batches (nothing decodes meanwhile); returns its result."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._submit(_Command(fn, loop, future))
+        return await future
+
+    def _submit(self, item: _Pending | _Command) -> None:
         with self._start_lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="mappa-chat-engine", daemon=True)
                 self._thread.start()
-        self._inbox.put(_Pending(request, loop, future))
-        return await future
+        self._inbox.put(item)
 
     async def aclose(self) -> None:
         """Stop the worker after the running batch; requests still waiting get an error."""
@@ -146,7 +193,11 @@ class ChatEngine:
                     break
                 waiting.append(item)
             self._collect(waiting)
-            if not self._stopping:
+            if self._stopping:
+                break
+            if isinstance(waiting[0], _Command):
+                self._command(waiting.popleft())
+            else:
                 self._decode(waiting)
         for p in waiting:
             _settle(p, error=RuntimeError("the chat engine was closed"))
@@ -163,7 +214,15 @@ class ChatEngine:
             else:
                 waiting.append(item)
 
-    def _decode(self, waiting: deque[_Pending]) -> None:
+    def _command(self, c: _Command) -> None:
+        try:
+            result = c.fn()
+        except Exception as e:  # noqa: BLE001 - delivered to the caller; the worker keeps serving
+            _settle(c, error=e)
+        else:
+            _settle(c, result=result)
+
+    def _decode(self, waiting: deque[_Pending | _Command]) -> None:
         """Run one batch for the settings of the oldest waiting request until its last row finishes."""
         first = waiting[0].request
         key = first.group_key()
@@ -176,7 +235,6 @@ class ChatEngine:
                 first.agent,
                 temperature=first.temperature,
                 top_p=first.top_p,
-                seed=first.seed,
                 prefix_cache=self.prefix_cache,
             ) as decoder:
                 opened = True
@@ -191,32 +249,35 @@ class ChatEngine:
                     for rid, gen in finished:
                         self.requests += 1
                         _settle(running.pop(rid), result=gen)
+                    _stream(decoder.running(), running)
                     self._collect(waiting)
-                    # Newcomers join only while no request with other settings is waiting (no starvation).
-                    if decoder.can_add and all(p.request.group_key() == key for p in waiting):
+                    # Newcomers join only while nothing with other settings is waiting (no starvation).
+                    if decoder.can_add and all(p.ready(key) for p in waiting):
                         self._admit(decoder, key, waiting, running)
         except Exception as e:  # noqa: BLE001 - delivered to each caller; the worker keeps serving
             failed = list(running.values())
             if not opened:  # these settings cannot decode at all (e.g. an unknown agent)
-                failed += [p for p in waiting if p.request.group_key() == key]
+                failed += [p for p in waiting if p.ready(key)]
                 for p in failed:
                     if p in waiting:
                         waiting.remove(p)
             for p in failed:
                 _settle(p, error=e)
 
-    def _admit(self, decoder: Decoder, key: tuple, waiting: deque[_Pending], running: dict[int, _Pending]) -> None:
+    def _admit(
+        self, decoder: Decoder, key: tuple, waiting: deque[_Pending | _Command], running: dict[int, _Pending]
+    ) -> None:
         """Tokenize and add waiting requests with `key` while the batch has room."""
         room = self.max_batch - len(decoder)
         chosen: list[_Pending] = []
         for p in list(waiting):
             if len(chosen) >= room:
                 break
-            if p.request.group_key() == key:
+            if p.ready(key):
                 waiting.remove(p)
                 if not p.future.done():  # the client went away
                     chosen.append(p)
-        # Same token cap and top-k go in one `add` (one prefill per prompt length within it).
+        # Same token cap and top-k go in one `add` (one prefill per prompt length within it); seeds are per row.
         by_shape: dict[tuple[int, int], list[tuple[_Pending, list[int]]]] = {}
         for p in chosen:
             try:
@@ -229,7 +290,8 @@ class ChatEngine:
             keys = [id(p) for p, _ in members]
             t0 = time.perf_counter()
             try:
-                decoder.add([ids for _, ids in members], max_tokens, keys=keys, top_logprobs=top_k)
+                seeds = [p.request.seed for p, _ in members]
+                decoder.add([ids for _, ids in members], max_tokens, keys=keys, top_logprobs=top_k, seeds=seeds)
             except Exception as e:  # noqa: BLE001 - these requests fail; the running rows carry on
                 for p, _ in members:
                     _settle(p, error=e)
@@ -239,7 +301,22 @@ class ChatEngine:
             running.update(zip(keys, (p for p, _ in members), strict=True))
 
 
-def _settle(p: _Pending, result: Any = None, error: BaseException | None = None) -> None:
+def _stream(rows: list[DecodeRow], running: dict[int, _Pending]) -> None:
+    """Hand each streaming request the tokens sampled since the last call (on its own event loop)."""
+    for row in rows:
+        p = running.get(row.key)
+        if p is None or p.on_tokens is None or len(row.tokens) <= p.sent:
+            continue
+        new = slice(p.sent, len(row.tokens))
+        p.sent = len(row.tokens)
+        chunk = (row.tokens[new], row.logprobs[new], row.tops[new])
+        try:
+            p.loop.call_soon_threadsafe(p.on_tokens, *chunk)
+        except RuntimeError:  # the caller's event loop is closed
+            pass
+
+
+def _settle(p: _Pending | _Command, result: Any = None, error: BaseException | None = None) -> None:
     """Complete a caller's future from the worker thread (no-op when the caller is gone)."""
 
     def done() -> None:

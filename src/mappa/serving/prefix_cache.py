@@ -73,6 +73,12 @@ class PrefixCache:
         self._next += 1
         self.bytes += size
 
+    def forget(self, owner: str | None) -> None:
+        """Drop every entry of `owner` (its weights changed: an adapter unloaded or loaded anew under its name)."""
+        for key, (who, _, _) in list(self._entries.items()):
+            if who == owner:
+                self._drop(key)
+
     def _drop(self, key: int) -> None:
         _, _, kv = self._entries.pop(key)
         self.bytes -= sum(k.nbytes + v.nbytes for k, v in kv)

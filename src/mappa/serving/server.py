@@ -1,12 +1,17 @@
-"""`mappa serve`: an OpenAI-compatible HTTP server for a local base model and each trained agent.
+"""`mappa serve`: an OpenAI-compatible HTTP server for a local base model, each trained agent, and LoRA adapters
+loaded at run time.
 
 Endpoints: `GET /v1/models`, `POST /v1/chat/completions` (messages, temperature, top_p, max_tokens,
-logprobs, top_logprobs, seed; `model` is the base name or an agent name from the checkpoint), plus
-`GET /health` and `GET /stats` (batching counters). Requests for the same model and sampling
-settings are batched continuously: a request joins the running batch at the next decode step and
-leaves it when its reply is done (`mappa.serving.engine.ChatEngine`).
-Not supported: streaming, n > 1, stop sequences, tools; those are rejected with HTTP 400 rather
-than silently ignored. Temperature 0 is greedy decoding.
+logprobs, top_logprobs, seed, stream; `model` is the base name, an agent name from the checkpoint, or a
+loaded adapter's name), `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (vLLM's bodies and
+replies: `{"lora_name", "lora_path"}`, a plain-text "Success: ..." or an OpenAI-style error), plus
+`GET /health` and `GET /stats` (batching counters). Requests for the same model and sampling settings are
+batched continuously: a request joins the running batch at the next decode step and leaves it when its
+reply is done (`mappa.serving.engine.ChatEngine`). `stream=true` answers with server-sent events as the
+OpenAI API does; vLLM's `return_token_ids` and `return_tokens_as_token_ids` are honoured
+(`mappa.serving.api`). Not supported: n > 1, stop sequences, tools; those are rejected with HTTP 400 rather
+than silently ignored. Temperature 0 is greedy decoding; a request's seed makes its sampling reproducible
+whatever it is batched with.
 
 In-process use (tests, notebooks): `create_app(policy, base_name)` and `start_server(app)`.
 """
@@ -16,53 +21,20 @@ from __future__ import annotations
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from mappa.errors import MappaError
-from mappa.policy import Generation, Policy
+from mappa.policy import Policy
+from mappa.serving.adapters import ServedPolicy
+from mappa.serving.api import ChatCompletionIn, LoadLoRAIn, UnloadLoRAIn, completion, stream_events
 from mappa.serving.engine import ChatEngine, ChatRequest
 from mappa.types import Message
-
-MAX_TOP_LOGPROBS = 20
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: str = "text"
-    text: str = ""
-
-
-class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str | list[ContentPart] | None = None
-
-
-class ChatCompletionIn(BaseModel):
-    # Unknown OpenAI parameters (presence_penalty, user, ...) are ignored like most compatible servers do;
-    # the ones that would change the output and are not implemented are rejected in `_check_supported`.
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    messages: list[ChatMessageIn] = Field(min_length=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    n: int = 1
-    stream: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    tools: list[Any] | None = None
 
 
 class APIError(Exception):
@@ -77,8 +49,6 @@ def _error(status: int, message: str, type_: str = "invalid_request_error", para
 
 
 def _check_supported(req: ChatCompletionIn) -> None:
-    if req.stream:
-        raise APIError(400, "stream=true is not supported by mappa serve", param="stream")
     if req.n != 1:
         raise APIError(400, "only n=1 is supported by mappa serve", param="n")
     if req.stop:
@@ -117,16 +87,41 @@ def create_app(
     engine: ChatEngine | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `policy`: `base_name` is the base (adapters off), `agents` (default: the
-    policy's agents) are served by name with their own weights. `engine`: anything with ChatEngine's
-    `chat`, `token_text` and `stats` (default: a ChatEngine over `policy`; benchmarks pass others)."""
-    agents = tuple(policy.agents if agents is None else agents)
+    policy's agents) are served by name with their own weights, adapters loaded at run time by theirs.
+    `engine`: anything with ChatEngine's `chat`, `token_text` and `stats` (default: a ChatEngine over the
+    policy; benchmarks pass others; streaming and adapter loading need a ChatEngine)."""
+    served = ServedPolicy(policy, base_name, tuple(policy.agents if agents is None else agents))
     if engine is None:
-        engine = ChatEngine(policy, max_batch=max_batch, prefix_cache_mib=prefix_cache_mib)
-    created = int(time.time())
-    names = {base_name: None, **{a: a for a in agents}}
+        engine = ChatEngine(served, max_batch=max_batch, prefix_cache_mib=prefix_cache_mib)
     app = FastAPI(title="mappa serve", docs_url=None, redoc_url=None)
     app.state.engine = engine
     _add_error_handlers(app)
+    _add_info_routes(app, served, engine)
+    _add_adapter_routes(app, served, engine)
+    eos = frozenset(policy.eos_ids)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionIn) -> Any:
+        request = _chat_request(req, served, default_max_tokens)
+        if req.stream:
+            prompt = list(served.chat_ids(request.messages)) if req.return_token_ids else None
+            events = stream_events(req, engine.chat_stream(request), policy.tokenizer, engine, eos, prompt)
+            return StreamingResponse(events, media_type="text/event-stream")
+        try:
+            gen = await engine.chat(request)
+        except MappaError as e:
+            raise APIError(400, str(e)) from None
+        except Exception as e:  # noqa: BLE001 - reported to the client; the server keeps running
+            raise APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from None
+        # A JSONResponse skips FastAPI's jsonable_encoder, which took ~24 ms for 64 tokens with top-20
+        # logprobs (json.dumps: 1.5 ms) on the event loop that every other request waits on.
+        return JSONResponse(completion(req, gen, engine, eos))
+
+    return app
+
+
+def _add_info_routes(app: FastAPI, served: ServedPolicy, engine: Any) -> None:
+    created = int(time.time())
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -138,23 +133,46 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        data = [{"id": n, "object": "model", "created": created, "owned_by": "mappa"} for n in names]
+        data = [{"id": n, "object": "model", "created": created, "owned_by": "mappa"} for n in served.names()]
+        for entry in data:  # adapters loaded at run time name their base, as vLLM lists them
+            if entry["id"] in served.loaded:
+                entry.update(parent=served.base_name, root=served.loaded[entry["id"]][1])
         return {"object": "list", "data": data}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionIn) -> JSONResponse:
-        request = _chat_request(req, names, default_max_tokens)
-        try:
-            gen = await engine.chat(request)
-        except MappaError as e:
-            raise APIError(400, str(e)) from None
-        except Exception as e:  # noqa: BLE001 - reported to the client; the server keeps running
-            raise APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from None
-        # A JSONResponse skips FastAPI's jsonable_encoder, which took ~24 ms for 64 tokens with top-20
-        # logprobs (json.dumps: 1.5 ms) on the event loop that every other request waits on.
-        return JSONResponse(_completion(req, gen, engine, frozenset(policy.eos_ids)))
 
-    return app
+def _add_adapter_routes(app: FastAPI, served: ServedPolicy, engine: ChatEngine) -> None:
+    """vLLM's runtime LoRA endpoints. The change runs on the engine's worker between batches, and the
+    name's cached prompt KV goes with the old weights."""
+
+    def forget(name: str) -> None:
+        if engine.prefix_cache is not None:
+            engine.prefix_cache.forget(name)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAIn) -> PlainTextResponse:
+        def load() -> None:
+            served.load(req.lora_name, req.lora_path, replace=req.load_inplace)
+            forget(req.lora_name)
+
+        try:
+            await engine.run(load)
+        except MappaError as e:
+            raise APIError(400, str(e), param="lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAIn) -> PlainTextResponse:
+        def unload() -> None:
+            served.unload(req.lora_name)
+            forget(req.lora_name)
+
+        try:
+            await engine.run(unload)
+        except KeyError:
+            raise APIError(404, f"The lora adapter '{req.lora_name}' cannot be found.", "NotFoundError") from None
+        except MappaError as e:
+            raise APIError(400, str(e), param="lora_name") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -171,13 +189,16 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(400, f"{loc}: {first['msg']}", param=loc or None)
 
 
-def _chat_request(req: ChatCompletionIn, names: dict[str, str | None], default_max_tokens: int) -> ChatRequest:
+def _chat_request(req: ChatCompletionIn, served: ServedPolicy, default_max_tokens: int) -> ChatRequest:
     """The engine request for a validated body; unsupported options and unknown models are API errors."""
     _check_supported(req)
-    if req.model not in names:
-        raise APIError(404, f"model {req.model!r} not found (served: {', '.join(names)})", "not_found_error", "model")
+    try:
+        agent = served.resolve(req.model)
+    except KeyError:
+        names = ", ".join(served.names())
+        raise APIError(404, f"model {req.model!r} not found (served: {names})", "not_found_error", "model") from None
     return ChatRequest(
-        agent=names[req.model],
+        agent=agent,
         messages=_messages(req),
         temperature=req.temperature,
         top_p=req.top_p,
@@ -185,47 +206,6 @@ def _chat_request(req: ChatCompletionIn, names: dict[str, str | None], default_m
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
         seed=req.seed,
     )
-
-
-def _completion(req: ChatCompletionIn, gen: Generation, engine: ChatEngine, eos: frozenset[int]) -> dict[str, Any]:
-    """The chat.completion body for one generation."""
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": {"role": "assistant", "content": gen.text},
-        "finish_reason": "length" if gen.truncated else "stop",
-        "logprobs": None,
-    }
-    if req.logprobs:
-        content = _logprobs_content(gen, req.top_logprobs or 0, engine, eos)
-        choice["logprobs"] = {"content": content, "refusal": None}
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": req.model,
-        "choices": [choice],
-        "usage": {
-            "prompt_tokens": len(gen.prompt_ids),
-            "completion_tokens": len(gen.response_ids),
-            "total_tokens": len(gen.prompt_ids) + len(gen.response_ids),
-        },
-    }
-
-
-def _logprobs_content(gen: Generation, k: int, engine: ChatEngine, eos: frozenset[int]) -> list[dict[str, Any]]:
-    """OpenAI's `logprobs.content`: one entry per response token, the stop token left out (as OpenAI does)."""
-    content = []
-    for pos, (tid, lp) in enumerate(zip(gen.response_ids, gen.logprobs, strict=True)):
-        if tid in eos:
-            continue
-        token = engine.token_text(tid)
-        top = []
-        if k and gen.top_logprobs is not None:
-            for alt, alp in gen.top_logprobs[pos][:k]:
-                alt_text = engine.token_text(alt)
-                top.append({"token": alt_text, "logprob": alp, "bytes": list(alt_text.encode("utf-8"))})
-        content.append({"token": token, "logprob": lp, "bytes": list(token.encode("utf-8")), "top_logprobs": top})
-    return content
 
 
 @dataclass

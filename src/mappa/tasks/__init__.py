@@ -5,7 +5,7 @@
 
 Sources: "arithmetic" (generated, no files), and the math files under `tasks.data_dir` / $MAPPA_DATA_DIR:
 "aime" (1983-2024), "aime2025", "aime_eval32", "amc", "amc_eval32", "math500", "gsm8k" (train split),
-"gsm8k_test".
+"gsm8k_test"; and "dsbench", the offline mini-DSBench's tabular tasks of one split (`mappa.tasks.tabular`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from mappa.tasks.arithmetic import arithmetic_tasks
 from mappa.tasks.math import HELD_OUT_SOURCES, MATH_SOURCES, near_duplicate, normalise_problem
 from mappa.types import Task
 
-SOURCES = ("arithmetic", *MATH_SOURCES)
+SOURCES = ("arithmetic", *MATH_SOURCES, "dsbench")
 
 __all__ = ["SOURCES", "check_answer", "extract_answer", "load_source", "load_tasks", "normalise_problem"]
 
@@ -32,6 +32,10 @@ def load_source(name: str, cfg: TasksConfig, split: Literal["train", "eval"], se
     if name == "arithmetic":
         n = cfg.arithmetic_train_size if split == "train" else cfg.arithmetic_eval_size
         return arithmetic_tasks(n, cfg.arithmetic_levels, split, seed, cfg.arithmetic_eval_size)
+    if name == "dsbench":  # imported here: the tabular stack (pandas, scikit-learn) only when asked for
+        from mappa.tasks.tabular import dsbench_dir, load_dsbench
+
+        return load_dsbench(dsbench_dir(cfg.dsbench_dir), split)
     if name not in MATH_SOURCES:
         raise MappaError(f"tasks.{split}: unknown task source {name!r} (known: {', '.join(SOURCES)})")
     return MATH_SOURCES[name](data_dir(cfg.data_dir))
@@ -60,10 +64,10 @@ def load_tasks(names: Sequence[str], cfg: TasksConfig, split: Literal["train", "
             if key not in seen:  # the same problem listed twice (amc and amc_eval32) counts once
                 seen.add(key)
                 pool.append(task)
-    if split == "train" and any(n != "arithmetic" for n in names):
+    if split == "train" and any(n in MATH_SOURCES for n in names):
         held_out: dict[str, list[str]] = {}  # opening -> normalised eval problems (for near duplicates)
         for name in dict.fromkeys([*cfg.eval, *HELD_OUT_SOURCES]):
-            if name != "arithmetic":  # arithmetic keeps train/eval apart itself
+            if name in MATH_SOURCES:  # arithmetic and dsbench keep train/eval apart themselves
                 for t in load_source(name, cfg, "eval", seed):
                     key = normalise_problem(t.problem)
                     held_out.setdefault(key[:48], []).append(key)

@@ -15,13 +15,24 @@ from collections.abc import Callable
 from mappa.config import Config, GenerationConfig, SandboxConfig, WorkflowConfig
 from mappa.protocols import Runtime, Workflow
 from mappa.workflows.base import AgentSpec, feedback_note
+from mappa.workflows.ds_pipeline import DsPipeline
 from mappa.workflows.mathchat import MathChat
 
 WORKFLOWS: dict[str, Callable[[WorkflowConfig, GenerationConfig, SandboxConfig], Workflow]] = {
     "mathchat": MathChat,
+    "ds_pipeline": DsPipeline,
 }
 
-__all__ = ["WORKFLOWS", "AgentSpec", "MathChat", "Runtime", "Workflow", "build_workflow", "feedback_note"]
+__all__ = [
+    "WORKFLOWS",
+    "AgentSpec",
+    "DsPipeline",
+    "MathChat",
+    "Runtime",
+    "Workflow",
+    "build_workflow",
+    "feedback_note",
+]
 
 
 def build_workflow(cfg: Config, gen: GenerationConfig | None = None) -> Workflow:

@@ -1,0 +1,157 @@
+"""The two kinds of actor a Ray run places: rollout workers (play episodes) and trainers (one per update group).
+
+Plain classes: `mappa.distributed.cluster` wraps them with `ray.remote` when it places them, so this module
+imports without Ray and each method is the local loop's own code (`Workflow.run`, `evaluate`,
+`run_self_test`, `apply_update`, `Policy.save`) running in another process.
+
+Weights travel as lists of tensors, one list per update group in the order of
+`Policy.trainable_parameters(<the group's first agent>)`: a trainer hands out its group's after each update,
+and every other actor copies them into its own policy (`copy_weights`), so after a step every actor holds the
+same weights as a local run would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mappa.config import Config
+from mappa.protocols import Runtime
+from mappa.types import Episode, Task
+from mappa.update import UpdateJob, apply_update, build_optimizer
+
+
+def _policy(cfg: Config, agents: Sequence[str], device: str, cpus: float) -> Any:
+    """The run's policy over every agent, initialised as the local run's (same seed, same order of agents)."""
+    from mappa.policy import Policy
+
+    torch.set_num_threads(max(1, int(cpus)))  # an actor's share of the machine, not every core
+    torch.manual_seed(cfg.seed)
+    model = cfg.model.model_copy(update={"device": device})
+    return Policy.from_config(model, agents, seed=cfg.seed, generation_batch_size=cfg.generation.batch_size)
+
+
+def copy_weights(policy: Any, agents: Sequence[str], weights: Sequence[Sequence[torch.Tensor]]) -> None:
+    """Copy each group's trainable tensors into `policy`; `agents[i]` is the first agent of the group whose
+    tensors are `weights[i]`."""
+    with torch.no_grad():
+        for agent, tensors in zip(agents, weights, strict=True):
+            for p, w in zip(policy.trainable_parameters(agent), tensors, strict=True):
+                p.copy_(w)
+
+
+def _cpu(state: Any) -> Any:
+    """An optimizer state with every tensor on the CPU (the driver that writes the checkpoint may have no GPU)."""
+    if isinstance(state, torch.Tensor):
+        return state.to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: _cpu(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_cpu(v) for v in state)
+    return state
+
+
+class Trainer:
+    """One update group's trainer: the group's weights and optimizer, reference log-probs and updates.
+
+    It holds the whole policy, every agent's weights (the others' copied in after each step), so that one
+    trainer can save a checkpoint and publish adapters exactly as a local run does; it trains only its group's.
+    """
+
+    def __init__(self, cfg: Config, agents: Sequence[str], group: str, agent: str, device: str, cpus: float) -> None:
+        self.cfg, self.agent = cfg, agent
+        self.policy = _policy(cfg, agents, device, cpus)
+        self.optimizer = build_optimizer(self.policy, agent, group, cfg.train)
+
+    def update(self, job: UpdateJob) -> tuple[dict[str, float], list[torch.Tensor]]:
+        """The group's update (`mappa.update.apply_update`); returns its metrics and the group's new weights."""
+        return apply_update(self.policy, self.optimizer, job, self.cfg), self.weights()
+
+    def weights(self) -> list[torch.Tensor]:
+        return [p.detach().to("cpu", copy=True) for p in self.policy.trainable_parameters(self.agent)]
+
+    def set_weights(self, agents: list[str], *weights: list[torch.Tensor]) -> None:
+        """The other groups' new weights (`agents[i]`: the first agent of the group of `weights[i]`)."""
+        copy_weights(self.policy, agents, weights)
+
+    def save(self, directory: str) -> None:
+        self.policy.save(directory)
+
+    def load_weights(self, directory: str) -> None:
+        self.policy.load_weights(directory)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return _cpu(self.optimizer.state_dict())
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def publish(self, root: str, version: int) -> dict[str, Path]:
+        """Every agent's adapter for a generation server (`mappa.generation.publish_adapters`)."""
+        from mappa.generation import publish_adapters
+
+        return publish_adapters(self.policy, Path(root), version)
+
+
+class RolloutWorker:
+    """Plays episodes with its own sandbox and coach, sampling from its policy copy or a generation server."""
+
+    def __init__(
+        self, cfg: Config, agents: Sequence[str], run_dir: str, device: str, cpus: float, base_url: str
+    ) -> None:
+        from mappa.coach import build_coach
+        from mappa.generation import build_generator
+        from mappa.sandbox import Sandbox
+        from mappa.workflows import build_workflow
+
+        cfg = cfg.model_copy(update={"generation": cfg.generation.model_copy(update={"base_url": base_url})})
+        self.cfg = cfg
+        self.policy = _policy(cfg, agents, device, cpus)
+        self.generator = build_generator(cfg, self.policy, Path(run_dir))  # a server: adapters come by `use_version`
+        self.workflow = build_workflow(cfg)
+        self.sandbox = Sandbox(cfg.sandbox)
+        self.coach = build_coach(cfg.coach, cfg.workflow.name, policy=self.policy)
+
+    def play(self, tasks: Sequence[Task], seed: int) -> tuple[list[Episode], dict[str, float]]:
+        """Episodes of `tasks` (as the local loop plays them) and the generation server's counters, if any."""
+        from mappa.generation import ServerPolicy
+
+        episodes = self.workflow.run(tasks, Runtime(self.generator, self.sandbox, self.coach), seed=seed)
+        return episodes, self.generator.stats() if isinstance(self.generator, ServerPolicy) else {}
+
+    def evaluate(self, tasks: Sequence[Task]) -> list[Episode]:
+        from mappa.evaluate import evaluate
+
+        return evaluate(self.cfg, self.generator, self.sandbox, tasks)[1]
+
+    def self_test(self) -> list[str]:
+        from mappa.selftest import run_self_test
+
+        agents = self.workflow.agents
+        return run_self_test(self.policy, agents, self.sandbox, self.coach.score_many, self.cfg.workflow.name)
+
+    def set_weights(self, agents: list[str], *weights: list[torch.Tensor]) -> None:
+        copy_weights(self.policy, agents, weights)
+
+    def load_weights(self, directory: str) -> None:
+        self.policy.load_weights(directory)
+
+    def load_adapters(self, paths: dict[str, Path], version: int) -> float:
+        """Have the generation server load the published adapters (one worker does; returns the seconds)."""
+        return self.generator.load_adapters(paths, version)
+
+    def use_version(self, version: int) -> None:
+        self.generator.use_version(version)
+
+    def coach_stats(self) -> dict[str, float]:
+        return self.coach.stats()
+
+    def close(self) -> None:
+        from mappa.generation import close_generator
+
+        close_generator(self.generator)
+        self.sandbox.close()
+        self.coach.close()

@@ -1,0 +1,12 @@
+"""The offline mini-DSBench: Kaggle-style tabular tasks built from tables that pip packages carry in their wheels.
+
+- `metrics`: the ten metrics DSBench mixes, the trivial and perfect scores, the relative gap;
+- `submission`: reading and scoring a `submission.csv` (a bad file is a failure with a reason, never a crash);
+- `catalogue`: the sources (package, version, licence) and the tasks (table, target, metric);
+- `describe`: the Kaggle-page `description.txt` of a task;
+- `reference`: the scripted reference team (Data Engineer -> Modeler -> Analyst snippets, no model);
+- `build`: `build_dsbench(out, seed)`, which writes the benchmark directory and refuses tasks the reference
+  team cannot solve through the sandbox.
+
+The user-facing entry points live in `mappa.tasks.tabular`.
+"""

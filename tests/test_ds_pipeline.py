@@ -1,0 +1,366 @@
+"""The data-science pipeline with a scripted policy (fixed replies, a real tokenizer), the real sandbox and real
+tabular tasks: a tiny benchmark directory in the mini-DSBench's layout, written here (two train tasks, one eval)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from mappa.coach.prompts import DS_PIPELINE, build_messages
+from mappa.coach.replay import episode_contexts
+from mappa.coach.rubric import rubric_score
+from mappa.config import GenerationConfig, SandboxConfig, WorkflowConfig, load_config
+from mappa.errors import MappaError
+from mappa.metrics import episode_metrics
+from mappa.models import tiny_tokenizer
+from mappa.policy import Generation
+from mappa.protocols import Runtime
+from mappa.rollout import pick_tasks
+from mappa.sandbox import Sandbox, remove_workspace
+from mappa.tasks.dsbench.reference import reference_snippets
+from mappa.tasks.tabular import TASK_FILES, load_dsbench, score_submission
+from mappa.types import CoachContext, CoachScore, Episode, Message, Task, read_jsonl, write_jsonl
+from mappa.workflows import WORKFLOWS, DsPipeline
+from mappa.workflows.ds_pipeline import score_cap
+
+ROOT = Path(__file__).resolve().parents[1]
+Reply = Callable[[str, Sequence[Message]], str]
+
+
+# ------------------------------------------------------------------------------------------------ a tiny benchmark
+def _table(kind: str, n: int, rng: np.random.Generator) -> pd.DataFrame:
+    x1, x2 = rng.normal(size=n).round(3), rng.uniform(0, 10, size=n).round(2)
+    plan = rng.choice(["basic", "plus", "pro"], size=n)
+    effect = pd.Series(plan).map({"basic": -1.0, "plus": 0.0, "pro": 1.5}).to_numpy()
+    if kind == "classification":
+        p = 1 / (1 + np.exp(-(2 * x1 + effect)))
+        y = (rng.uniform(size=n) < p).astype(int)
+    else:
+        y = (50 + 12 * x1 + 3 * x2 + 10 * effect + rng.normal(scale=4, size=n)).round(2)
+    return pd.DataFrame({"tenure": x1, "usage": x2, "plan": plan, "target": y})
+
+
+def _write_task(root: Path, task_id: str, kind: str, metric: str, seed: int) -> dict:
+    """One task as the builder writes it: train/test/sample/description in tasks/<id>, answers apart."""
+    from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor
+
+    frame = _table(kind, 240, np.random.default_rng(seed))
+    frame.insert(0, "id", range(1, len(frame) + 1))
+    train, test = frame.iloc[:170], frame.iloc[170:]
+    task_dir, answer_dir = root / "tasks" / task_id, root / "answers" / task_id
+    task_dir.mkdir(parents=True)
+    answer_dir.mkdir(parents=True)
+    train.to_csv(task_dir / "train.csv", index=False)
+    test.drop(columns=["target"]).to_csv(task_dir / "test.csv", index=False)
+    test[["id", "target"]].to_csv(answer_dir / "test_answer.csv", index=False)
+    trivial = round(float(train["target"].mean()), 6)
+    pd.DataFrame({"id": test["id"], "target": trivial}).to_csv(task_dir / "sample_submission.csv", index=False)
+    what = "the probability that target is 1" if metric == "roc_auc" else "target"
+    (task_dir / "description.txt").write_text(
+        f"# {task_id}\nPredict `target` for each row of test.csv. Columns: id, tenure, usage, plan (text), target.\n"
+        f"Metric: {metric}. Submission: a CSV with columns id,target where target is {what}.\n",
+        encoding="utf-8",
+    )
+    model = HistGradientBoostingClassifier if kind == "classification" else HistGradientBoostingRegressor
+    features = pd.get_dummies(frame.drop(columns=["id", "target"]), dtype=float)
+    fitted = model(random_state=0).fit(features.iloc[:170], train["target"])
+    row = {"id": task_id, "split": "", "data_type": kind, "metric": metric, "target": "target", "id_column": "id"}
+    row.update(source="test:generated", baseline_score=0.0, reference_score=0.0, title=task_id)
+    row.update(n_train=len(train), n_test=len(test), n_features=3)
+    task = Task(id=task_id, problem="", answer="", source="dsbench", meta={**row, "task_dir": str(task_dir),
+                "answer_path": str(answer_dir / "test_answer.csv")})  # fmt: skip
+    row["baseline_score"] = score_submission(task, task_dir / "sample_submission.csv").score
+    pred = (
+        fitted.predict_proba(features.iloc[170:])[:, 1] if metric == "roc_auc" else fitted.predict(features.iloc[170:])
+    )
+    reference = task_dir.parent.parent / f"{task_id}-reference.csv"
+    pd.DataFrame({"id": test["id"], "target": pred}).to_csv(reference, index=False)
+    row["reference_score"] = score_submission(task, reference).score
+    reference.unlink()
+    return row
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("dsbench")
+    rows = [
+        {**_write_task(root, "toy_churn", "classification", "roc_auc", 1), "split": "train"},
+        {**_write_task(root, "toy_prices", "regression", "rmse", 2), "split": "train"},
+        {**_write_task(root, "toy_churn_eval", "classification", "roc_auc", 3), "split": "eval"},
+    ]
+    (root / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    box = Sandbox(SandboxConfig(timeout_s=60, concurrency=2))  # the warm pool, at the default memory limit
+    yield box
+    box.close()
+
+
+# ------------------------------------------------------------------------------------------------ a scripted team
+class ScriptedPolicy:
+    """Same `chat_ids`/`generate` surface as mappa.policy.Policy; replies come from a script, not a model."""
+
+    def __init__(self, reply: Reply) -> None:
+        self.tokenizer = tiny_tokenizer()
+        self.reply = reply
+
+    def chat_ids(self, messages: Sequence[Message]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False
+        )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def generate(self, agent, conversations, **kw) -> list[Generation]:  # type: ignore[no-untyped-def]
+        out = []
+        for conv in conversations:
+            ids = self.tokenizer(self.reply(agent, conv), add_special_tokens=False)["input_ids"]
+            ids = [*ids, self.tokenizer.eos_token_id]
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            out.append(Generation(tuple(self.chat_ids(conv)), tuple(ids), tuple(-0.5 for _ in ids), text, False))
+        return out
+
+
+def fenced(code: str, note: str = "") -> str:
+    return f"{note}\n```python\n{code}\n```"
+
+
+def team(tasks: Sequence[Task], script: Callable[[Task, str, int], str]) -> Reply:
+    """A reply per (task, agent, turn): the task is recognised by its description in the first user turn."""
+
+    def reply(agent: str | None, conv: Sequence[Message]) -> str:
+        task = next(t for t in tasks if t.problem.strip() in conv[1].content)
+        return script(task, str(agent), sum(m.role == "user" for m in conv) - 1)
+
+    return reply
+
+
+def reference_team(task: Task, agent: str, turn: int) -> str:
+    note = "<think>secret plan: try everything</think>I prepared the data." if agent == "data_engineer" else ""
+    return fenced(reference_snippets(task)[agent], note) if turn == 0 else "Done."
+
+
+class RecordingScorer:
+    """The rubric coach's rules as a stage scorer, keeping every context it was handed."""
+
+    def __init__(self) -> None:
+        self.contexts: list[CoachContext] = []
+
+    def __call__(self, contexts: Sequence[CoachContext]) -> list[CoachScore]:
+        self.contexts.extend(contexts)
+        return [rubric_score(c) for c in contexts]
+
+
+GEN = GenerationConfig(max_new_tokens=2048, max_context_tokens=8192, batch_size=8)
+
+
+def play(tasks, script, sandbox, *, turns: int = 2, keep: bool = False, scorer=None) -> list[Episode]:  # type: ignore[no-untyped-def]
+    wf = DsPipeline(WorkflowConfig(name="ds_pipeline", ds_max_turns=turns), GEN, SandboxConfig(keep_workspaces=keep))
+    return wf.run(tasks, Runtime(ScriptedPolicy(team(tasks, script)), sandbox, scorer=scorer), seed=0)
+
+
+def by_agent(episode: Episode, agent: str) -> list:
+    return [a for a in episode.actions if a.agent == agent]
+
+
+# ------------------------------------------------------------------------------------------------ the tests
+def test_scripted_team_passes_files_through_all_three_agents(bench: Path, sandbox, tmp_path: Path) -> None:
+    tasks = load_dsbench(bench, "train")
+    scorer = RecordingScorer()
+    episodes = play(tasks, reference_team, sandbox, scorer=scorer)
+    for e in episodes:
+        assert [a.agent for a in e.actions] == ["data_engineer", "modeler", "analyst"]  # each done in one turn
+        assert all(a.exec_result is not None and a.exec_result.ok for a in e.actions), e.actions[-1].exec_result
+        de, modeler, analyst = e.actions
+        assert {"X_train.pkl", "y_train.pkl", "X_test.pkl"} <= set(de.evidence["files_after"])
+        assert de.evidence["files_before"] == sorted(TASK_FILES)
+        seen = modeler.messages[1].content
+        assert "Saved by the Data Engineer: X_test.pkl, X_train.pkl, y_train.pkl" in seen
+        assert "I prepared the data." in seen and "secret plan" not in seen  # final text, reasoning removed
+        assert "Warning" not in seen
+        assert "Saved by the Modeler: model.pkl" in analyst.messages[1].content
+        assert modeler.evidence["files_by_agent"] == {"data_engineer": ["X_test.pkl", "X_train.pkl", "y_train.pkl"]}
+        assert "test_evaluation" in analyst.evidence and "test_evaluation" not in modeler.evidence
+        sub = e.meta["submission"]
+        assert e.correct and sub["valid"] and sub["reason"] == "" and sub["gap"] > 0
+        assert sub["reference_fraction"] > 0.9  # the reference team reproduces the reference model
+        assert e.meta["missing_files"] == [] and e.final_answer.startswith(f"{sub['metric']}=")
+        assert [a.coach.score for a in e.actions][:2] == [8.0, 8.0] and analyst.coach.score >= 8.0
+    metrics = episode_metrics(episodes, DsPipeline().agents, "rollout")
+    assert metrics["rollout/tabular/valid_rate"] == 1.0 and metrics["rollout/tabular/episodes"] == 2
+    assert metrics["rollout/tabular/classification/episodes"] == metrics["rollout/tabular/regression/episodes"] == 1
+    assert metrics["rollout/tabular/regression/reference_fraction"] > 0.9
+    assert metrics["rollout/tabular/classification/analyst/score_mean"] >= 8.0
+    # A replay rebuilds exactly the contexts the coach saw live, from the recorded episodes alone.
+    write_jsonl(tmp_path / "episodes.jsonl", episodes)
+    again = read_jsonl(tmp_path / "episodes.jsonl", Episode)
+    rebuilt = [c for e in again for c in episode_contexts(e, DsPipeline(WorkflowConfig(ds_max_turns=2), GEN))]
+    assert sorted(rebuilt, key=repr) == sorted(scorer.contexts, key=repr)  # live order is by stage
+
+
+def test_no_answer_ever_reaches_a_workspace(bench: Path, sandbox) -> None:
+    tasks = load_dsbench(bench, "train")[:1]
+    (episode,) = play(tasks, reference_team, sandbox, keep=True)
+    workspace = Path(episode.meta["workspace"])
+    try:
+        files = sorted(str(p.relative_to(workspace)) for p in workspace.rglob("*") if p.is_file())
+        answer = Path(tasks[0].meta["answer_path"]).read_bytes()
+        assert set(TASK_FILES) <= set(files)
+        assert not [f for f in files if "answer" in f.lower()]
+        assert not [f for f in files if (workspace / f).read_bytes() == answer]
+        assert "target" not in pd.read_csv(workspace / "test.csv").columns
+        assert set(files) - set(TASK_FILES) <= {
+            "X_train.pkl",
+            "y_train.pkl",
+            "X_test.pkl",
+            "model.pkl",
+            "submission.csv",
+        }
+    finally:
+        remove_workspace(workspace, force=True)
+
+
+FORGETFUL_ENGINEER = """\
+import pickle
+import pandas as pd
+train = pd.read_csv("train.csv")
+y_train = train.pop("target")
+X_train = pd.get_dummies(train.drop(columns=["id"]), dtype=float)
+for name, obj in [("X_train", X_train), ("y_train", y_train)]:
+    with open(name + ".pkl", "wb") as f:
+        pickle.dump(obj, f)
+print("X_train", X_train.shape)
+"""
+
+
+def test_a_forgotten_x_test_is_blamed_on_the_data_engineer_not_the_modeler(bench: Path, sandbox) -> None:
+    tasks = load_dsbench(bench, "train")[:1]
+
+    def script(task: Task, agent: str, turn: int) -> str:
+        if agent == "data_engineer":
+            return fenced(FORGETFUL_ENGINEER) if turn == 0 else "I saved the training data."
+        return fenced(reference_snippets(task)[agent])
+
+    scorer = RecordingScorer()
+    (e,) = play(tasks, script, sandbox, scorer=scorer)
+    de, modeler, analyst = by_agent(e, "data_engineer"), by_agent(e, "modeler"), by_agent(e, "analyst")
+    assert len(de) == 2 and len(modeler) == 1 and len(analyst) == 2  # the Analyst retries up to its cap
+    assert all(a.coach.score <= 2 for a in de) and "X_test.pkl" in de[0].coach.rationale
+    assert modeler[0].coach.score >= 7, modeler[0].coach.rationale
+    assert all(3 <= a.coach.score <= 5 for a in analyst) and "data_engineer" in analyst[0].coach.rationale
+    for later in (modeler[0], analyst[0]):
+        assert "Warning: X_test.pkl is missing: the Data Engineer did not save it." in later.messages[1].content
+    retry = analyst[1].messages  # the Analyst's second turn sees its traceback and the files
+    assert "FileNotFoundError" in retry[-1].content and "Still missing: submission.csv" in retry[-1].content
+    assert not e.correct and e.meta["missing_files"] == ["X_test.pkl", "submission.csv"] and e.final_answer is None
+    assert e.meta["submission"]["valid"] is False and e.meta["submission"]["gap"] == 0.0
+    # The LLM coach's prompt carries the same receipts, and the test-set evaluation for the Analyst only.
+    analyst_prompt = build_messages(scorer.contexts[-1], DS_PIPELINE)[1]["content"]
+    assert "- X_test.pkl (the data_engineer's)" in analyst_prompt and "Test-set evaluation" in analyst_prompt
+    assert "Hard cap on this action's score\nno valid submission" in analyst_prompt
+    assert "a missing required file is the fault of the agent that had to save" in analyst_prompt
+    de_prompt = build_messages(scorer.contexts[0], DS_PIPELINE)[1]["content"]
+    assert "Test-set evaluation" not in de_prompt and "missing after the action: X_test.pkl" in de_prompt
+
+
+def test_score_caps_follow_the_paper_and_the_reference_share() -> None:
+    def test(metric: str, score: float, share: float) -> dict:
+        return {"valid": True, "metric": metric, "score": score, "reference_fraction": share}
+
+    assert score_cap(test("roc_auc", 0.80, 0.95), {})[0] == 8
+    assert score_cap(test("accuracy", 0.90, 1.0), {})[0] == 9
+    assert score_cap(test("accuracy", 0.90, 0.02), {})[0] == 4  # the majority class: high accuracy, no gain
+    assert score_cap(test("roc_auc", 0.50, 0.0), {})[0] == 3
+    assert score_cap(test("rmse", 30.0, 0.95), {"range": 100.0})[0] == 6  # 30% of the range
+    assert score_cap(test("rmsle", 0.3, 0.5), {})[0] == 6
+    assert score_cap({"valid": False, "metric": "rmse", "score": None, "reference_fraction": 0.0}, {})[0] is None
+
+
+def test_a_task_without_files_is_a_one_line_error(sandbox) -> None:
+    wf = DsPipeline()
+    with pytest.raises(MappaError, match="no meta\\['task_dir'\\]"):
+        wf.run(
+            [Task(id="x", problem="p", answer="1", source="arithmetic")],
+            Runtime(ScriptedPolicy(lambda agent, conv: ""), sandbox),
+        )
+
+
+def test_stratified_draws_keep_the_data_types_in_proportion() -> None:
+    tasks = [
+        Task(id=f"t{i}", problem="", answer="", source="s", meta={"data_type": "regression" if i < 34 else "cls"})
+        for i in range(64)
+    ]
+    stream = pick_tasks(tasks, 3 * 64, seed=7, stratify_by="data_type")
+    for p in range(3):  # every pass is a permutation
+        assert sorted(t.id for t in stream[64 * p : 64 * (p + 1)]) == sorted(t.id for t in tasks)
+    for lo in range(0, 3 * 64, 16):  # every step of 16 holds 34/64 regression tasks, within one
+        n = sum(t.meta["data_type"] == "regression" for t in stream[lo : lo + 16])
+        assert abs(n - 16 * 34 / 64) <= 1.5, (lo, n)
+    assert pick_tasks(tasks, 20, seed=7, start=30, stratify_by="data_type") == stream[30:50]  # resumable
+    assert pick_tasks(tasks, 64, seed=7) != stream[:64]
+    with pytest.raises(MappaError, match="no meta\\['level'\\]"):
+        pick_tasks(tasks, 4, seed=7, stratify_by="level")
+
+
+def test_the_workflow_and_presets_are_registered() -> None:
+    assert WORKFLOWS["ds_pipeline"] is DsPipeline
+    paper = load_config(ROOT / "configs" / "ds_pipeline.yaml")
+    t = paper.train
+    assert (t.prompts_per_step, t.samples_per_prompt, t.stratify_by, t.mini_batch_size) == (16, 2, "data_type", 16)
+    assert (paper.workflow.name, paper.workflow.ds_max_turns, paper.sandbox.timeout_s) == ("ds_pipeline", 4, 60)
+    assert paper.tasks.train == ["dsbench"] and paper.tasks.eval == ["dsbench"]
+    demo = load_config(ROOT / "configs" / "ds_demo.yaml")
+    assert demo.model.name == "smollm2-135m-instruct" and demo.coach.backend == "rubric"
+
+
+def test_train_one_step_on_tabular_tasks_with_a_tiny_model(bench: Path, tmp_path: Path, one_torch_thread) -> None:
+    from mappa.train import train
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(
+        ROOT / "configs" / "ds_demo.yaml",
+        [
+            "model.name=tiny-random",
+            f"tasks.dsbench_dir={bench}",
+            "tasks.train_size=null",
+            "tasks.eval_size=null",
+            "generation.max_new_tokens=16",
+            "generation.max_context_tokens=4096",
+            "sandbox.pool=false",
+            "train.steps=1",
+            "train.prompts_per_step=2",
+            f"run_dir={run_dir}",
+        ],
+    )
+    run_dir.mkdir()
+    result = train(cfg, run_dir)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in rows if "time/rollout_s" in r)
+    assert step["train/tabular/episodes"] == 4 and "train/tabular/classification/valid_rate" in step
+    assert math.isfinite(step["train/tabular/regression/gap"])
+    assert "eval/tabular/classification/reference_fraction" in result.final
+    episodes = [json.loads(x) for x in (run_dir / "eval" / "final.jsonl").read_text().splitlines()]
+    assert all("submission" in e["meta"] for e in episodes)
+
+
+@pytest.mark.slow
+def test_mappa_rollout_of_the_demo_preset_with_the_embedded_model(bench: Path, tmp_path: Path) -> None:
+    out = tmp_path / "episodes.jsonl"
+    cmd = [sys.executable, "-m", "mappa.cli", "rollout", str(ROOT / "configs" / "ds_demo.yaml"), "--episodes", "1"]
+    cmd += ["--out", str(out), "--set", f"tasks.dsbench_dir={bench}", "--set", "tasks.train_size=null"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "NO_COLOR": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    (episode,) = read_jsonl(out, Episode)
+    assert episode.workflow == "ds_pipeline" and episode.actions[0].agent == "data_engineer"
+    assert "submission" in episode.meta and "ds_pipeline rollout" in done.stderr
