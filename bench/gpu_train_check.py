@@ -19,6 +19,11 @@ Writes `gpu_train_check.json` under $OUT (or the working directory); one line pe
 
     python bench/gpu_train_check.py                          # Qwen3-0.6B shape, CUDA if available
     python bench/gpu_train_check.py --tiny --steps 1          # seconds on a CPU
+    python bench/gpu_train_check.py --ranks 4                 # the agents sharded over 4 GPUs (FSDP2, mappa.sharding)
+
+With `--ranks N` the agents' weights are sharded over N processes, one GPU each (on a CPU, N processes over
+gloo), as `train.fsdp_ranks` shards a trainer; the actions are then synthetic (64 prompt and --tokens response
+tokens), since sharded ranks do not generate, and the figures are the whole group's.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from mappa import sharding
 from mappa.config import Config
 from mappa.models import tiny_tokenizer
 from mappa.policy import Policy
@@ -110,6 +116,16 @@ def rollout(policy: Policy, agent: str, rng: random.Random, a: argparse.Namespac
     ]
 
 
+def synthetic(agent: str, rng: random.Random, a: argparse.Namespace, vocab: int) -> list[Action]:
+    """`--batch` actions of 64 prompt and `--tokens` response tokens drawn from `rng` (sharded ranks do not
+    generate: every rank must hold the same actions, and sampling would end at different lengths per rank)."""
+    return [
+        Action(agent=agent, turn=0, messages=(), text="", prompt_ids=tuple(rng.randrange(3, vocab) for _ in range(64)),
+               response_ids=tuple(rng.randrange(3, vocab) for _ in range(a.tokens)), logprobs=(0.0,) * a.tokens)
+        for _ in range(a.batch)
+    ]  # fmt: skip
+
+
 def run_step(
     policy: Policy, optimizers: dict, cfg: Config, step: int, rng: random.Random, a: argparse.Namespace
 ) -> dict:
@@ -119,7 +135,7 @@ def run_step(
     for ag in AGENTS:
         _sync(device)
         t0 = time.perf_counter()
-        actions = rollout(policy, ag, rng, a)
+        actions = synthetic(ag, rng, a, len(policy.tokenizer)) if a.ranks > 1 else rollout(policy, ag, rng, a)
         _sync(device)
         t1 = time.perf_counter()
         job = UpdateJob(actions, [rng.uniform(0, 10) for _ in actions], seed=step, peak_lr=1e-5, step=step - 1)
@@ -132,7 +148,7 @@ def run_step(
         upd_tok += int(stats["tokens"])
         roll_s, upd_s = roll_s + t1 - t0, upd_s + t2 - t1
         flops += update_flops(policy.model, actions)
-    row = {"step": step, "rollout_tokens_per_s": roll_tok / roll_s, "update_tokens_per_s": upd_tok / upd_s,
+    row = {"step": step, "rollout_tokens_per_s": roll_tok / roll_s if a.ranks == 1 else None, "update_tokens_per_s": upd_tok / upd_s,
            "update_tflops_per_s": flops / upd_s / 1e12, "rollout_s": roll_s, "update_s": upd_s, "tokens": roll_tok}  # fmt: skip
     if device.type == "cuda":
         row["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -148,45 +164,81 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--no-checkpointing", action="store_true", help="keep activations (no gradient checkpointing)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the device's peak bf16 TFLOP/s (for MFU)")
+    ap.add_argument("--ranks", type=int, default=1, help="shard the agents over this many GPUs (or CPU processes)")
     a = ap.parse_args(argv)
+    out = Path(os.environ.get("OUT", "."))
+    out.mkdir(parents=True, exist_ok=True)
+    if a.ranks == 1:
+        return run(0, a, "")
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    mp.start_processes(run, args=(a, address), nprocs=a.ranks, start_method="spawn")
+    return json.loads((out / "gpu_train_check.json").read_text())
+
+
+def run(rank: int, a: argparse.Namespace, address: str) -> dict:
+    """One process's run (rank 0 of 1 unsharded); rank 0 prints and writes the summary."""
+    if a.ranks > 1:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)  # before CUDA starts: each rank sees its one GPU as cuda:0
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if a.ranks > 1:
+        sharding.init(rank, a.ranks, address, device.type)
     model, tok = build(a.tiny, device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
     policy = Policy.from_model(model, tok, AGENTS, lora_r=16, lora_alpha=32, generation_batch_size=a.batch, seed=0)
     if not a.no_checkpointing:
         policy.enable_gradient_checkpointing()
+    if a.ranks > 1:
+        sharding.shard_modules(policy.shardable_modules(), device.type)
     cfg = Config()
     cfg.train.micro_batch_size = a.micro_batch
     optimizers = {ag: build_optimizer(policy, ag, ag, cfg.train) for ag in AGENTS}
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     peak = peak_flops(name, a.peak_tflops)
-    print(f"device {name}, {dtype}, {n_params / 1e6:.1f}M parameters, 3 agents x {a.batch} x {a.tokens} tokens, "
-          f"gradient checkpointing {'off' if a.no_checkpointing else 'on'}")  # fmt: skip
-    rng = random.Random(0)
+    say = print if rank == 0 else (lambda *_: None)
+    say(f"device {name} x {a.ranks}, {dtype}, {n_params / 1e6:.1f}M parameters, 3 agents x {a.batch} x {a.tokens} "
+        f"tokens, gradient checkpointing {'off' if a.no_checkpointing else 'on'}")  # fmt: skip
+    rng = random.Random(0)  # the same on every rank: sharded ranks must update on the same actions
     steps = []
     for step in range(1, a.steps + 1):
         steps.append(run_step(policy, optimizers, cfg, step, rng, a))
-        print(json.dumps(steps[-1]))
-    rest = steps[1:] or steps  # the first step includes kernel warm-up and optimizer allocation
+        say(json.dumps(steps[-1]))
+    summary = summarise(steps, a, name, dtype, n_params, peak)
+    if rank == 0:
+        (Path(os.environ.get("OUT", ".")) / "gpu_train_check.json").write_text(json.dumps(summary, indent=1))
+        mfu = "n/a (no peak known: --peak-tflops)" if peak is None else f"{summary['update_mfu']:.1%}"
+        roll = "n/a (sharded: synthetic actions)" if a.ranks > 1 else f"{summary['rollout_tokens_per_s']:.0f} tok/s"
+        print(f"rollout {roll}, update {summary['update_tokens_per_s']:.0f} tok/s, "
+              f"update {summary['update_tflops_per_s']:.3g} TFLOP/s, MFU {mfu}")  # fmt: skip
+    if a.ranks > 1:
+        torch.distributed.destroy_process_group()
+    return summary
 
-    def mean(key: str) -> float:
-        return sum(r[key] for r in rest) / len(rest)
 
-    summary = {
-        "device": name, "dtype": str(dtype), "parameters": n_params, "shape": "tiny" if a.tiny else "qwen3-0.6b",
-        "gradient_checkpointing": not a.no_checkpointing, "steps": steps,
-        "rollout_tokens_per_s": mean("rollout_tokens_per_s"), "update_tokens_per_s": mean("update_tokens_per_s"),
-        "update_tflops_per_s": mean("update_tflops_per_s"), "peak_tflops": None if peak is None else peak / 1e12,
+def summarise(steps: list[dict], a: argparse.Namespace, name: str, dtype: torch.dtype, n_params: int,
+              peak: float | None) -> dict:  # fmt: skip
+    """The steps after the first (kernel warm-up, optimizer allocation) averaged. Sharded, tokens/s and
+    TFLOP/s are the whole group's and MFU is against the peak of all its GPUs."""
+    rest = steps[1:] or steps
+
+    def mean(key: str) -> float | None:
+        return None if rest[0][key] is None else sum(r[key] for r in rest) / len(rest)
+
+    peak = None if peak is None else peak * a.ranks
+    return {
+        "device": name, "ranks": a.ranks, "dtype": str(dtype), "parameters": n_params,
+        "shape": "tiny" if a.tiny else "qwen3-0.6b", "gradient_checkpointing": not a.no_checkpointing,
+        "steps": steps, "rollout_tokens_per_s": mean("rollout_tokens_per_s"),
+        "update_tokens_per_s": mean("update_tokens_per_s"), "update_tflops_per_s": mean("update_tflops_per_s"),
+        "peak_tflops": None if peak is None else peak / 1e12,
         "update_mfu": None if peak is None else mean("update_tflops_per_s") * 1e12 / peak,
     }  # fmt: skip
-    out = Path(os.environ.get("OUT", "."))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_train_check.json").write_text(json.dumps(summary, indent=1))
-    mfu = "n/a (no peak known: --peak-tflops)" if peak is None else f"{summary['update_mfu']:.1%}"
-    print(f"rollout {summary['rollout_tokens_per_s']:.0f} tok/s, update {summary['update_tokens_per_s']:.0f} tok/s, "
-          f"update {summary['update_tflops_per_s']:.3g} TFLOP/s, MFU {mfu}")  # fmt: skip
-    return summary
 
 
 if __name__ == "__main__":

@@ -125,11 +125,48 @@ def test_ray_run_has_the_local_runs_files_and_metric_names(ray_run: Path, tmp_pa
 def test_placement_errors_are_one_line(ray_cluster: str, tmp_path: Path) -> None:
     place = placement("local")
     agents, groups = ("a", "b"), {"a": ["a"], "b": ["b"]}
-    with pytest.raises(MappaError, match=r"^ray: no room within 1s for 2 trainers .* the cluster has \{'CPU': 2.0"):
+    with pytest.raises(
+        MappaError, match=r"^ray: no room within 1s for 2 trainer ranks .* the cluster has \{'CPU': 2.0"
+    ):
         place(tiny(tmp_path, "ray.worker_cpus=64", "ray.placement_timeout_s=1"), tmp_path, agents, groups)
-    with pytest.raises(MappaError, match=r"train.gpus_per_agent: .*less than or equal to 1"):
-        tiny(tmp_path, "train.gpus_per_agent=2")  # one agent over several GPUs: refused by the config itself
+    with pytest.raises(MappaError, match=r"^ray: no room within 1s for 8 trainer ranks x \{'CPU': 0.25, 'GPU': 0.0"):
+        place(tiny(tmp_path, "train.fsdp_ranks=4", "ray.placement_timeout_s=1"), tmp_path, agents, groups)
+    with pytest.raises(MappaError, match=r"gpus_per_agent: 1.5 GPUs cannot be split over whole ranks"):
+        tiny(tmp_path, "train.gpus_per_agent=1.5")
+    with pytest.raises(MappaError, match=r"fsdp_ranks: 2 ranks need a GPU each .* not 0.5"):
+        tiny(tmp_path, "train.gpus_per_agent=0.5", "train.fsdp_ranks=2")
+    assert tiny(tmp_path, "train.gpus_per_agent=4").train.ranks == 4  # an agent over 4 GPUs: 4 ranks, 1 GPU each
     assert ray.is_initialized()  # a failed placement leaves the shared cluster up
+
+
+@pytest.mark.slow  # ~3 min on 2 cores: 8 actors; tests/test_sharding.py checks the same arithmetic in the default run
+def test_sharded_trainers_take_the_unsharded_steps_and_resume(ray_cluster: str, ray_run: Path, tmp_path: Path) -> None:
+    """`train.fsdp_ranks=2`: each agent's trainer is 2 actors that shard its weights (FSDP2 over gloo), 6 in all.
+    The run has the unsharded Ray run's files and metric names and ends with its weights; resumed from its own
+    checkpoint (the ranks reload weights and AdamW state into their shards), it trains on."""
+    from mappa.policy import Policy
+    from mappa.train import train
+
+    run_dir, sharded = tmp_path / "sharded", ["train.fsdp_ranks=2", "ray.trainer_cpus=0.125"]
+    train(tiny(run_dir, *sharded), run_dir, place=placement("local"))
+    assert files(run_dir) == files(ray_run)
+    assert names(run_dir) == names(ray_run)
+    a = Policy.from_checkpoint(latest_checkpoint(run_dir) / "policy", device="cpu")
+    b = Policy.from_checkpoint(latest_checkpoint(ray_run) / "policy", device="cpu")
+    for agent in a.agents:
+        for p, q in zip(a.trainable_parameters(agent), b.trainable_parameters(agent), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+
+    train(tiny(run_dir, *sharded, "train.steps=3"), run_dir, resume=True, place=placement("local"))
+    assert [r["step"] for r in read_metrics(run_dir) if "time/rollout_s" in r] == [1, 2, 3]
+    c = Policy.from_checkpoint(latest_checkpoint(run_dir) / "policy", device="cpu")
+    assert latest_checkpoint(run_dir).name == "step-000003"
+    assert any(
+        not torch.equal(p, q)
+        for p, q in zip(
+            a.trainable_parameters("problem_solver"), c.trainable_parameters("problem_solver"), strict=True
+        )
+    )
 
 
 def _mappa(args: list[str], log: Path) -> subprocess.Popen:

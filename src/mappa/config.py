@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from mappa.errors import MappaError
 
@@ -199,9 +199,38 @@ class TrainConfig(Section):
         "(an endpoint that went down); 0: never stop.",
     )  # fmt: skip
     gpus_per_agent: float = Field(
-        0.0, ge=0, le=1, description="With --ray: GPUs each trainer actor (one per update group) reserves; 0 on a "
-        "CPU, a fraction lets trainers share a GPU; at most 1 (one agent over several GPUs: docs/scale.md).",
+        0.0, ge=0, description="With --ray: GPUs each update group's trainer reserves; 0 on a CPU, a fraction "
+        "lets trainers share a GPU, a whole number above 1 shards the group over that many GPUs (fsdp_ranks).",
     )  # fmt: skip
+    fsdp_ranks: int | None = Field(
+        None, ge=1, description="With --ray: processes an update group's trainer spans, its weights, gradients and "
+        "AdamW state sharded over them with FSDP2 (one GPU each; gloo between CPU processes when gpus_per_agent "
+        "is 0). Default: gpus_per_agent when that is above 1, else 1.",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _sharding(self) -> TrainConfig:
+        g, n = self.gpus_per_agent, self.fsdp_ranks
+        if g > 1 and g != int(g):
+            raise ValueError(
+                f"gpus_per_agent: {g:g} GPUs cannot be split over whole ranks; give 0-1 or a whole number"
+            )
+        if n is not None and n > 1 and 0 < g <= 1:
+            raise ValueError(f"fsdp_ranks: {n} ranks need a GPU each (gpus_per_agent: {n}) or none (0), not {g:g}")
+        if n is not None and g > 1 and n != g:
+            raise ValueError(
+                f"fsdp_ranks: {n} ranks for gpus_per_agent {g:g}; each rank takes one GPU, so they must match"
+            )
+        return self
+
+    @property
+    def ranks(self) -> int:
+        """Processes per update group's trainer (`fsdp_ranks`, or the whole GPUs asked for)."""
+        return self.fsdp_ranks or (int(self.gpus_per_agent) if self.gpus_per_agent > 1 else 1)
+
+    @property
+    def gpus_per_rank(self) -> float:
+        return self.gpus_per_agent / self.ranks if self.gpus_per_agent > 1 else self.gpus_per_agent
 
 
 class EvalConfig(Section):

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from mappa import sharding
 from mappa.errors import MappaError
 from mappa.types import Message
 
@@ -201,6 +202,11 @@ class Policy:
 
     def _modules(self) -> list[torch.nn.Module]:
         return list(self._copies.values()) if self.agent_weights == "full" else [self.model]
+
+    def shardable_modules(self) -> list[torch.nn.Module]:
+        """Every model this policy holds, for `mappa.sharding` to shard: the base (with the adapters) and,
+        with `full` weights, each agent's copy."""
+        return [self.model, *self._copies.values()]
 
     @contextmanager
     def active(self, agent: str | None) -> Iterator[torch.nn.Module]:
@@ -394,33 +400,27 @@ class Policy:
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints
 
-    def save(self, directory: str | Path) -> None:
+    def save(self, directory: str | Path, *, write: bool = True) -> None:
         """Write per-agent weights (LoRA adapters in peft format, or full copies as HF model dirs), the
-        tokenizer and a manifest. The base is referenced by name, or stored under base/ when it has none."""
+        tokenizer and a manifest. The base is referenced by name, or stored under base/ when it has none.
+
+        Sharded weights (`mappa.sharding`) are gathered first, a collective: every rank calls `save`, and all
+        but the first with `write=False`."""
         from safetensors.torch import save_file
 
+        with self._lock:
+            files = self._weight_files()
+        if not write:
+            return
         directory = Path(directory)
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            with self._lock:
-                if self.agent_weights == "full":
-                    for agent, module in self._copies.items():
-                        module.save_pretrained(directory / "agents" / agent, safe_serialization=True)
-                else:
-                    from peft import get_peft_model_state_dict
-
-                    for adapter in dict.fromkeys(self._adapter.values()):
-                        out = directory / "adapters" / adapter
-                        out.mkdir(parents=True, exist_ok=True)
-                        state = get_peft_model_state_dict(self.model, adapter_name=adapter)
-                        save_file(
-                            {k: v.detach().contiguous().cpu() for k, v in state.items()},
-                            out / "adapter_model.safetensors",
-                        )
-                        self.model.peft_config[adapter].save_pretrained(out)
-                if self.base_name is None:
-                    self._save_base(directory / "base")
-                self.tokenizer.save_pretrained(directory / "tokenizer")
+            for sub, (state, config) in files.items():
+                (directory / sub).mkdir(parents=True, exist_ok=True)
+                save_file(state, directory / sub / _WEIGHT_FILES[sub.partition("/")[0]], metadata={"format": "pt"})
+                config.save_pretrained(directory / sub)
+            if self.base_name is None:
+                self.tokenizer.save_pretrained(directory / "base")
+            self.tokenizer.save_pretrained(directory / "tokenizer")
             manifest = {
                 "format_version": FORMAT_VERSION,
                 "base_name": self.base_name,
@@ -433,25 +433,25 @@ class Policy:
         except OSError as e:
             raise MappaError(f"cannot write checkpoint {directory} ({e.strerror or e})") from None
 
-    def _save_base(self, out: Path) -> None:
-        """The frozen base as a plain HF model directory (LoRA layers stripped from the state dict)."""
-        from safetensors.torch import save_file
-
+    def _weight_files(self) -> dict[str, tuple[dict[str, torch.Tensor], Any]]:
+        """What a checkpoint holds besides the tokenizer, whole and on the CPU: {subdirectory: (tensors, the
+        config saved beside them)}: agents/<agent> (full copies) or adapters/<adapter>, and base/ when the base
+        has no name to be reloaded by."""
+        files = {}
         if self.agent_weights == "full":
-            self.model.save_pretrained(out, safe_serialization=True)
+            for agent, module in self._copies.items():
+                files[f"agents/{agent}"] = (_untied(_host_state(module.state_dict()), module.config), module.config)
         else:
-            base = self.model.get_base_model()
-            state = {
-                k.replace(".base_layer.", "."): v.detach().contiguous().cpu()
-                for k, v in base.state_dict().items()
-                if ".lora_" not in k
-            }
-            if base.config.tie_word_embeddings:
-                state.pop("lm_head.weight", None)  # shared with embed_tokens; safetensors refuses aliases
-            out.mkdir(parents=True, exist_ok=True)
-            save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-            base.config.save_pretrained(out)
-        self.tokenizer.save_pretrained(out)
+            from peft import get_peft_model_state_dict
+
+            for adapter in dict.fromkeys(self._adapter.values()):
+                state = get_peft_model_state_dict(self.model, adapter_name=adapter)
+                files[f"adapters/{adapter}"] = (_host_state(state), self.model.peft_config[adapter])
+        if self.base_name is None:
+            base = self.model if self.agent_weights == "full" else self.model.get_base_model()
+            state = {k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if ".lora_" not in k}
+            files["base"] = (_untied(_host_state(state), base.config), base.config)
+        return files
 
     def load_weights(self, directory: str | Path) -> None:
         """Load per-agent weights saved by `save` into this policy (same agents and mode)."""
@@ -468,7 +468,7 @@ class Policy:
             if self.agent_weights == "full":
                 for agent, module in self._copies.items():
                     path = directory / "agents" / agent / "model.safetensors"
-                    state = _load_safetensors(path, load_file)
+                    state = _laid_out(_load_safetensors(path, load_file), module.state_dict())
                     missing, unexpected = module.load_state_dict(state, strict=False)
                     # tied weights (lm_head = embed_tokens) are saved once; anything else missing is an error
                     missing = [k for k in missing if k not in _tied_keys(module)]
@@ -481,8 +481,11 @@ class Policy:
 
                 for adapter in dict.fromkeys(self._adapter.values()):
                     path = directory / "adapters" / adapter / "adapter_model.safetensors"
-                    state = _load_safetensors(path, load_file)
                     expected = {n for n, _ in self.model.named_parameters() if f".{adapter}." in n}
+                    # peft's keys leave the adapter's name out: lora_A.weight stands for lora_A.<adapter>.weight
+                    targets = {re.sub(r"\.(lora_\w+)\." + re.escape(adapter) + r"\.", r".\1.", n): p
+                               for n, p in self.model.named_parameters() if n in expected}  # fmt: skip
+                    state = _laid_out(_load_safetensors(path, load_file), targets)
                     try:
                         result = set_peft_model_state_dict(self.model, state, adapter_name=adapter)
                     except RuntimeError as e:  # shape mismatch: different rank or base
@@ -731,6 +734,30 @@ def _load_safetensors(path: Path, load_file) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except Exception as e:  # safetensors raises its own error type on truncated/corrupt files
         raise MappaError(f"{path}: unreadable weights ({type(e).__name__})") from None
+
+
+_WEIGHT_FILES = {"agents": "model.safetensors", "base": "model.safetensors", "adapters": "adapter_model.safetensors"}
+
+
+def _host_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict whole and on the CPU, in key order (a sharded tensor's gather is a collective)."""
+    return {k: sharding.host(v) for k, v in state.items()}
+
+
+def _laid_out(state: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Loaded tensors laid out as the weights they go into: this rank's shard where those are sharded (a
+    tensor of another shape is left for `load_state_dict` to name in its error)."""
+    return {
+        k: sharding.like(targets[k], v) if k in targets and targets[k].shape == v.shape else v
+        for k, v in state.items()
+    }
+
+
+def _untied(state: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """The LM head left out when it is the embeddings (safetensors refuses aliases; HF re-ties on load)."""
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return state
 
 
 def _tied_keys(module: torch.nn.Module) -> set[str]:

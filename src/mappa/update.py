@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mappa import rl
+from mappa import rl, sharding
 from mappa.config import Config, TrainConfig
 from mappa.errors import MappaError
 from mappa.generation import logprob_gap
@@ -31,15 +31,23 @@ def _optimizer_step(
     old_logp: torch.Tensor, adv: torch.Tensor, cfg: Config,
 ) -> dict[str, float]:  # fmt: skip
     """One optimizer step on the mini-batch `idx`: micro-batches (sorted by length to pad less), each weighted
-    by its share of the mini-batch's tokens, so the loss is the mini-batch's token mean."""
+    by its share of the mini-batch's tokens, so the loss is the mini-batch's token mean.
+
+    Sharded weights (`mappa.sharding`): each rank takes every world-th micro-batch, and one with no rows left
+    makes an idle pass of weight 0, since every rank must run as many forward and backward passes (their
+    gathers are collective). FSDP averages the ranks' gradients, so each rank's loss is scaled by their
+    number; the sum over ranks is then the whole mini-batch's."""
     t = cfg.train
+    rank, world = sharding.rank_world()
     order = sorted(idx, key=lambda i: len(actions[i].response_ids))
     micro = [order[i : i + t.micro_batch_size] for i in range(0, len(order), t.micro_batch_size)]
+    mine = [(micro[j], 1.0) for j in sharding.shares(len(micro), world, rank)]
+    mine += [(micro[0][:1], 0.0)] * (sharding.passes(len(micro), world) - len(mine))
     total = float(sum(len(actions[i].response_ids) for i in idx))
-    sums = dict.fromkeys(STEP_STATS, 0.0)
+    sums = torch.zeros(len(STEP_STATS) - 1, dtype=torch.float64)  # loss, clip_frac, ratio_mean, approx_kl
     optimizer.zero_grad(set_to_none=True)
     with torch.enable_grad():
-        for rows in micro:
+        for rows, share in mine:
             logp, m = policy.forward_logprobs(
                 actions[0].agent, [actions[i].prompt_ids for i in rows], [actions[i].response_ids for i in rows]
             )
@@ -47,16 +55,46 @@ def _optimizer_step(
             loss, stats = rl.clipped_pg_loss(
                 logp.float(), old_logp[sel, :width], adv[sel, :width], m.float(), t.clip_eps
             )
-            weight = float(m.sum()) / total
-            (loss * weight).backward()
-            sums["loss"] += float(loss.detach()) * weight
-            for k in ("clip_frac", "ratio_mean", "approx_kl"):
-                sums[k] += stats[k] * weight
+            weight = share * float(m.sum()) / total
+            (loss * (weight * world)).backward()
+            sums += torch.tensor([float(loss.detach()), stats["clip_frac"], stats["ratio_mean"], stats["approx_kl"]],
+                                 dtype=torch.float64) * weight  # fmt: skip
+    sharding.all_sum(sums)
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip))
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {**sums, "tokens": total, "lr": optimizer.param_groups[0]["lr"]}
+    out = dict(zip(("loss", "clip_frac", "ratio_mean", "approx_kl"), sums.tolist(), strict=True))
+    return {
+        **out,
+        "grad_norm": float(sharding.host(grad_norm)),
+        "tokens": total,
+        "lr": optimizer.param_groups[0]["lr"],
+    }
+
+
+def _logprobs(
+    policy: Any, agent: str | None, prompts: list[Sequence[int]], responses: list[Sequence[int]], micro: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Policy.sequence_logprobs` over the batch. Sharded, each rank computes every world-th row (with idle
+    passes to make as many forward passes as the busiest rank) and the ranks' rows are summed into one."""
+    rank, world = sharding.rank_world()
+    if world == 1:
+        return policy.sequence_logprobs(agent, prompts, responses, micro_batch_size=micro)
+    rows = sharding.shares(len(prompts), world, rank)
+    lp, m = policy.sequence_logprobs(
+        agent, [prompts[i] for i in rows], [responses[i] for i in rows], micro_batch_size=micro
+    )
+    for _ in range(sharding.passes(sharding.passes(len(prompts), world), micro) - sharding.passes(len(rows), micro)):
+        policy.sequence_logprobs(agent, prompts[:1], responses[:1])
+    width = max(len(r) for r in responses)
+    logp = torch.zeros(len(prompts), width, device=lp.device)
+    mask = torch.zeros(len(prompts), width, device=lp.device)
+    if rows:
+        index = torch.tensor(rows, device=lp.device)
+        logp[index, : lp.shape[1]] = lp.float()
+        mask[index, : m.shape[1]] = m.float()
+    return sharding.all_sum(logp), sharding.all_sum(mask).bool()
 
 
 def update_group(
@@ -75,13 +113,10 @@ def update_group(
     t = cfg.train
     prompts, responses = [a.prompt_ids for a in actions], [a.response_ids for a in actions]
     # Both before the first optimizer step: the reference, and the rollout-time policy every ratio is against.
-    ref_logp, mask = policy.sequence_logprobs(None, prompts, responses, micro_batch_size=t.micro_batch_size)
+    ref_logp, mask = _logprobs(policy, None, prompts, responses, t.micro_batch_size)
     mask, ref_logp = mask.float(), ref_logp.float()
     if t.recompute_old_logprobs or cfg.generation.backend == "server":  # a server: other kernels, maybe dtype
-        old_logp, _ = policy.sequence_logprobs(
-            actions[0].agent, prompts, responses, micro_batch_size=t.micro_batch_size
-        )
-        old_logp = old_logp.float()
+        old_logp = _logprobs(policy, actions[0].agent, prompts, responses, t.micro_batch_size)[0].float()
     else:
         rows = [torch.tensor(a.logprobs, dtype=torch.float32) for a in actions]
         old_logp = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(mask.device)

@@ -119,6 +119,13 @@ def _report(console: Console, result: TrainResult) -> None:
     console.print(f"run: {result.run_dir}", highlight=False, soft_wrap=True)
 
 
+def _check_placement(cfg: Config, place: object) -> None:
+    if place is None and cfg.train.ranks > 1:
+        raise MappaError(
+            f"train.fsdp_ranks: sharding each agent over {cfg.train.ranks} processes needs --ray (docs/scale.md)"
+        )
+
+
 def train_command(cfg: Config | None, resume: str | None, overrides: list[str], ray: str | None = None) -> int:
     """`mappa train CONFIG [--set k=v]` or `mappa train --resume RUN_DIR [--set k=v]`; `--ray local|auto|ADDRESS`
     places the run's work on a Ray cluster (`mappa.distributed`).
@@ -141,12 +148,14 @@ def train_command(cfg: Config | None, resume: str | None, overrides: list[str], 
         if not (run_dir / "config.yaml").is_file():
             raise MappaError(f"--resume {run_dir}: not a run directory (config.yaml missing)")
         cfg = load_config(run_dir / "config.yaml", overrides)  # --set may extend it (e.g. train.steps=20)
+        _check_placement(cfg, place)
     elif cfg is None:
         raise MappaError("mappa train: give a CONFIG file or --resume RUN_DIR")
     else:
         from mappa.workflows import build_workflow
 
         config_groups(cfg, build_workflow(cfg).agents)  # a bad train.agent_lr fails before the run dir exists
+        _check_placement(cfg, place)
         run_dir = new_run_dir(cfg)
     from mappa.generation import check_backend
 

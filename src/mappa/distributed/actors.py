@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from mappa import sharding
 from mappa.config import Config
 from mappa.protocols import Runtime
 from mappa.types import Episode, Task
@@ -35,23 +36,12 @@ def _policy(cfg: Config, agents: Sequence[str], device: str, cpus: float) -> Any
 
 
 def copy_weights(policy: Any, agents: Sequence[str], weights: Sequence[Sequence[torch.Tensor]]) -> None:
-    """Copy each group's trainable tensors into `policy`; `agents[i]` is the first agent of the group whose
-    tensors are `weights[i]`."""
+    """Copy each group's trainable tensors into `policy` (into this rank's shards where it is sharded);
+    `agents[i]` is the first agent of the group whose tensors are `weights[i]`."""
     with torch.no_grad():
         for agent, tensors in zip(agents, weights, strict=True):
             for p, w in zip(policy.trainable_parameters(agent), tensors, strict=True):
-                p.copy_(w)
-
-
-def _cpu(state: Any) -> Any:
-    """An optimizer state with every tensor on the CPU (the driver that writes the checkpoint may have no GPU)."""
-    if isinstance(state, torch.Tensor):
-        return state.to("cpu", copy=True)
-    if isinstance(state, dict):
-        return {k: _cpu(v) for k, v in state.items()}
-    if isinstance(state, list | tuple):
-        return type(state)(_cpu(v) for v in state)
-    return state
+                p.copy_(sharding.like(p, w))
 
 
 class Trainer:
@@ -61,39 +51,79 @@ class Trainer:
     trainer can save a checkpoint and publish adapters exactly as a local run does; it trains only its group's.
     """
 
+    rank = 0
+
     def __init__(self, cfg: Config, agents: Sequence[str], group: str, agent: str, device: str, cpus: float) -> None:
-        self.cfg, self.agent = cfg, agent
+        self.cfg, self.agents, self.group, self.agent, self.device, self.cpus = cfg, agents, group, agent, device, cpus
         self.policy = _policy(cfg, agents, device, cpus)
         self.optimizer = build_optimizer(self.policy, agent, group, cfg.train)
 
     def update(self, job: UpdateJob) -> tuple[dict[str, float], list[torch.Tensor]]:
-        """The group's update (`mappa.update.apply_update`); returns its metrics and the group's new weights."""
-        return apply_update(self.policy, self.optimizer, job, self.cfg), self.weights()
+        """The group's update (`mappa.update.apply_update`); returns its metrics and the group's new weights
+        (sharded: the first rank's; the others return none)."""
+        metrics, weights = apply_update(self.policy, self.optimizer, job, self.cfg), self.weights()
+        return metrics, weights if self.rank == 0 else []
 
     def weights(self) -> list[torch.Tensor]:
-        return [p.detach().to("cpu", copy=True) for p in self.policy.trainable_parameters(self.agent)]
+        return [sharding.host(p) for p in self.policy.trainable_parameters(self.agent)]
 
     def set_weights(self, agents: list[str], *weights: list[torch.Tensor]) -> None:
         """The other groups' new weights (`agents[i]`: the first agent of the group of `weights[i]`)."""
         copy_weights(self.policy, agents, weights)
 
     def save(self, directory: str) -> None:
-        self.policy.save(directory)
+        self.policy.save(directory, write=self.rank == 0)
 
     def load_weights(self, directory: str) -> None:
         self.policy.load_weights(directory)
 
     def optimizer_state(self) -> dict[str, Any]:
-        return _cpu(self.optimizer.state_dict())
+        return sharding.host_state(self.optimizer.state_dict())
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)
+        self.optimizer.load_state_dict(sharding.optimizer_state_like(self.optimizer, state))
 
     def publish(self, root: str, version: int) -> dict[str, Path]:
-        """Every agent's adapter for a generation server (`mappa.generation.publish_adapters`)."""
-        from mappa.generation import publish_adapters
+        """Every agent's adapter for a generation server (`mappa.generation.publish_adapters`); sharded, the
+        other ranks take part in the gathers without writing."""
+        from mappa.generation import adapter_states, publish_adapters
 
+        if self.rank != 0:
+            adapter_states(self.policy)
+            return {}
         return publish_adapters(self.policy, Path(root), version)
+
+
+class ShardedTrainer(Trainer):
+    """One rank of an update group's trainer whose weights are sharded over `world` processes (`mappa.sharding`).
+
+    Built in two calls, because every rank must know where the first one listens before any can join:
+    `address()` on rank 0, then `setup(address)` on all of them at once. The policy is sharded before the
+    optimizer is built over it (FSDP2 swaps each parameter for its shard)."""
+
+    def __init__(
+        self, cfg: Config, agents: Sequence[str], group: str, agent: str, device: str, cpus: float, rank: int, world: int
+    ) -> None:  # fmt: skip
+        self.cfg, self.agents, self.group, self.agent, self.device, self.cpus = cfg, agents, group, agent, device, cpus
+        self.rank, self.world = rank, world
+
+    def address(self) -> str:
+        """host:port where rank 0 waits for its peers (a port free now on this node)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def setup(self, address: str) -> None:
+        torch.set_num_threads(max(1, int(self.cpus)))
+        sharding.init(self.rank, self.world, address, self.device)
+        self.policy = _policy(self.cfg, self.agents, self.device, self.cpus)
+        sharding.shard_modules(self.policy.shardable_modules(), self.device)
+        self.optimizer = build_optimizer(self.policy, self.agent, self.group, self.cfg.train)
 
 
 class RolloutWorker:

@@ -1,8 +1,9 @@
 """A run placed on a Ray cluster: the `place` that `mappa.train.setup` calls with `mappa train --ray`.
 
 `placement(address)` connects to Ray (`local`: a new one-machine cluster; `auto`: the running one; else
-its address), and places, in one placement group, one trainer actor per update group (`train.gpus_per_agent`
-GPUs and `ray.trainer_cpus` CPUs each) and `ray.rollout_workers` rollout workers (`ray.worker_cpus`,
+its address), and places, in one placement group, one trainer per update group (`train.gpus_per_agent`
+GPUs and `ray.trainer_cpus` CPUs each; with `train.fsdp_ranks` above 1, that many actors that shard the group's
+weights, `mappa.sharding`) and `ray.rollout_workers` rollout workers (`ray.worker_cpus`,
 `ray.worker_gpus`). The `Cluster` it returns is what the training loop calls instead of its in-process
 pieces: `play`, `update`, `step_sync`, `evaluate`, `self_test`, `stats`; `weights` and `optimizers` stand in
 for the policy and the optimizers when `mappa.checkpoint` saves or restores, so a checkpoint has the same
@@ -90,7 +91,7 @@ def placement(address: str) -> Place:
 
     def place(cfg: Config, run_dir: Path, agents: Sequence[str], groups: dict[str, list[str]]) -> Cluster:
         r = cfg.ray
-        started = _connect(address, len(groups) * r.trainer_cpus + r.rollout_workers * r.worker_cpus)
+        started = _connect(address, len(groups) * cfg.train.ranks * r.trainer_cpus + r.rollout_workers * r.worker_cpus)
         try:
             return Cluster(cfg, Path(run_dir).resolve(), agents, groups, started)  # actors may run elsewhere
         except BaseException:
@@ -109,64 +110,86 @@ class _Weights:
         self.cluster = cluster
 
     def save(self, directory: str | Path) -> None:
-        get(self.cluster.lead.save.remote(str(Path(directory).resolve())))
+        get([rank.save.remote(str(Path(directory).resolve())) for rank in self.cluster.lead])
 
     def load_weights(self, directory: str | Path) -> None:
         get([a.load_weights.remote(str(Path(directory).resolve())) for a in self.cluster.actors])
 
 
 class _Optimizer:
-    """What checkpointing needs of an optimizer, kept by its trainer actor."""
+    """What checkpointing needs of an optimizer, kept by its trainer actor (or its ranks, which gather the
+    sharded state together: the first one's is the whole)."""
 
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
+    def __init__(self, ranks: list[Any]) -> None:
+        self.ranks = ranks
 
     def state_dict(self) -> dict[str, Any]:
-        return get(self.trainer.optimizer_state.remote())
+        return get([rank.optimizer_state.remote() for rank in self.ranks])[0]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        get(self.trainer.load_optimizer_state.remote(state))
+        get([rank.load_optimizer_state.remote(state) for rank in self.ranks])
 
 
 class Cluster:
     """The actors of one run (see the module docstring); `close()` ends them."""
 
     def __init__(self, cfg: Config, run_dir: Path, agents: Sequence[str], groups: dict[str, list[str]], started: bool):
-        from mappa.distributed.actors import RolloutWorker, Trainer
+        from mappa.distributed.actors import RolloutWorker
         from mappa.generation import adapter_root
 
         ray = _ray()
         self.cfg, self.agents, self.groups, self.started = cfg, tuple(agents), groups, started
         self.adapter_root = str(adapter_root(cfg, run_dir).resolve())
         self.group_pg = self._placement_group()
-        r, gpus = cfg.ray, cfg.train.gpus_per_agent
-        trainer, worker = ray.remote(Trainer), ray.remote(RolloutWorker)
-        self.trainers = {
-            g: trainer.options(num_cpus=r.trainer_cpus, num_gpus=gpus, scheduling_strategy=self._bundle(i)).remote(
-                cfg, agents, g, members[0], "cpu" if gpus == 0 else cfg.model.device, r.trainer_cpus
-            )
-            for i, (g, members) in enumerate(groups.items())
-        }
+        self.trainers = {g: self._trainer(i, g, members[0]) for i, (g, members) in enumerate(groups.items())}
+        r, worker = cfg.ray, ray.remote(RolloutWorker)
         device = "cpu" if r.worker_gpus == 0 else cfg.model.device
         urls = r.base_urls or [cfg.generation.base_url]
         self.urls = [urls[i % len(urls)] for i in range(r.rollout_workers)]  # rollout worker i's generation server
         self.workers = [
             worker.options(
-                num_cpus=r.worker_cpus, num_gpus=r.worker_gpus, scheduling_strategy=self._bundle(len(groups) + i)
+                num_cpus=r.worker_cpus, num_gpus=r.worker_gpus, scheduling_strategy=self._bundle(self.n_ranks + i)
             ).remote(cfg, agents, str(run_dir), device, r.worker_cpus, url)
             for i, url in enumerate(self.urls)
         ]
-        self.lead = self.trainers[next(iter(groups))]
-        self.actors = [*self.trainers.values(), *self.workers]
+        self.lead = self.trainers[next(iter(groups))]  # its first rank writes checkpoints and publishes adapters
+        self.actors = [*(rank for ranks in self.trainers.values() for rank in ranks), *self.workers]
         self.weights = _Weights(self)
-        self.optimizers = {g: _Optimizer(a) for g, a in self.trainers.items()}
+        self.optimizers = {g: _Optimizer(ranks) for g, ranks in self.trainers.items()}
         self._pending: dict[str, Any] = {}  # group's first agent -> its new weights (an object ref) to hand out
         self._generation: list[dict[str, float]] = []  # the workers' generation-server counters of the last play
-        try:  # every actor built (model loaded, sandbox and coach up), or the first one's error now
+        try:  # every actor built (model loaded, sandbox and coach up, ranks joined), or the first one's error now
             get([a.__ray_ready__.remote() for a in self.actors])
+            sharded = {g: ranks for g, ranks in self.trainers.items() if len(ranks) > 1}
+            addresses = {g: get(ranks[0].address.remote()) for g, ranks in sharded.items()}
+            get([rank.setup.remote(addresses[g]) for g, ranks in sharded.items() for rank in ranks])
         except BaseException:
             self.close()
             raise
+
+    @property
+    def n_ranks(self) -> int:
+        return len(self.groups) * self.cfg.train.ranks
+
+    def _trainer(self, index: int, group: str, agent: str) -> list[Any]:
+        """The group's trainer: one actor, or `train.ranks` that shard its weights (`ShardedTrainer`), each in
+        its own bundle of the placement group."""
+        from mappa.distributed.actors import ShardedTrainer, Trainer
+
+        ray, r, t = _ray(), self.cfg.ray, self.cfg.train
+        device = "cpu" if t.gpus_per_rank == 0 else self.cfg.model.device
+        args = (self.cfg, self.agents, group, agent, device, r.trainer_cpus)
+        kind, world = (Trainer, []) if t.ranks == 1 else (ShardedTrainer, [t.ranks])
+        return [
+            ray.remote(kind)
+            .options(
+                num_cpus=r.trainer_cpus,
+                num_gpus=t.gpus_per_rank,
+                scheduling_strategy=self._bundle(index * t.ranks + rank),
+            )
+            .remote(*args, *([rank, *world] if world else []))
+            for rank in range(t.ranks)
+        ]
 
     def _placement_group(self) -> Any:
         """Room for every actor at once, or a one-line error after `ray.placement_timeout_s`."""
@@ -174,16 +197,16 @@ class Cluster:
 
         r, t = self.cfg.ray, self.cfg.train
         trainer, worker = (
-            {"CPU": r.trainer_cpus, "GPU": t.gpus_per_agent},
+            {"CPU": r.trainer_cpus, "GPU": t.gpus_per_rank},
             {"CPU": r.worker_cpus, "GPU": r.worker_gpus},
         )
-        bundles = [trainer] * len(self.groups) + [worker] * r.rollout_workers
+        bundles = [trainer] * (len(self.groups) * t.ranks) + [worker] * r.rollout_workers
         pg = placement_group([{k: v for k, v in b.items() if v > 0} for b in bundles], strategy="PACK")
         try:
             _ray().get(pg.ready(), timeout=r.placement_timeout_s)
         except _ray().exceptions.GetTimeoutError:
             remove_placement_group(pg)
-            need = f"{len(self.groups)} trainers x {trainer} + {r.rollout_workers} workers x {worker}"
+            need = f"{len(self.groups) * t.ranks} trainer ranks x {trainer} + {r.rollout_workers} workers x {worker}"
             have = {k: v for k, v in _ray().cluster_resources().items() if k in ("CPU", "GPU")}
             raise MappaError(
                 f"ray: no room within {r.placement_timeout_s:g}s for {need}; the cluster has {have}"
@@ -208,9 +231,12 @@ class Cluster:
 
     def update(self, jobs: dict[str, UpdateJob]) -> dict[str, dict[str, float]]:
         """Every group's update at once, each on its trainer actor; the new weights wait for `step_sync`."""
-        refs = {g: self.trainers[g].update.options(num_returns=2).remote(job) for g, job in jobs.items()}
-        self._pending = {self.groups[g][0]: weights for g, (_, weights) in refs.items()}
-        return dict(zip(refs, get([metrics for metrics, _ in refs.values()]), strict=True))
+        refs = {
+            g: [rank.update.options(num_returns=2).remote(job) for rank in self.trainers[g]] for g, job in jobs.items()
+        }
+        self._pending = {self.groups[g][0]: ranks[0][1] for g, ranks in refs.items()}  # the first rank's
+        get([metrics for ranks in refs.values() for metrics, _ in ranks[1:]])  # every other rank finished too
+        return dict(zip(refs, get([ranks[0][0] for ranks in refs.values()]), strict=True))
 
     def step_sync(self, version: int, metrics: dict[str, float] | None = None) -> dict[str, float]:
         """After the updates: every actor copies the groups' new weights; with a generation server, the lead
@@ -220,14 +246,14 @@ class Cluster:
         if self._pending:
             calls = []
             for actor in self.actors:
-                own = next((members[0] for g, members in self.groups.items() if self.trainers[g] is actor), None)
+                own = next((members[0] for g, members in self.groups.items() if actor in self.trainers[g]), None)
                 sent = {a: w for a, w in self._pending.items() if a != own}
                 calls.append(actor.set_weights.remote(list(sent), *sent.values()))
             get(calls)
             self._pending = {}
         if self.cfg.generation.backend == "server":
             t0 = time.perf_counter()
-            paths = get(self.lead.publish.remote(self.adapter_root, version))
+            paths = get([rank.publish.remote(self.adapter_root, version) for rank in self.lead])[0]
             out["generation/publish_s"] = time.perf_counter() - t0
             loaders = {self.urls.index(url) for url in self.urls}  # one worker per server has it load them
             calls = [w.load_adapters.remote(paths, version) for i, w in enumerate(self.workers) if i in loaders]

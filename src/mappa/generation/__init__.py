@@ -19,7 +19,13 @@ import torch
 
 from mappa.config import Config
 from mappa.errors import MappaError
-from mappa.generation.adapters import FULL_WEIGHTS_ERROR, adapter_name, publish_adapters, version_dir
+from mappa.generation.adapters import (
+    FULL_WEIGHTS_ERROR,
+    adapter_name,
+    adapter_states,
+    publish_adapters,
+    version_dir,
+)
 from mappa.generation.server import ServedGeneration, ServerPolicy
 from mappa.protocols import PolicyLike
 from mappa.types import Action
@@ -116,6 +122,7 @@ __all__ = [
     "ServerPolicy",
     "adapter_name",
     "adapter_root",
+    "adapter_states",
     "build_generator",
     "check_backend",
     "close_generator",

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from mappa import sharding
 from mappa.errors import MappaError
 
 KEEP_VERSIONS = 2
@@ -71,7 +72,7 @@ def adapter_states(policy: Any) -> dict[str, tuple[dict[str, torch.Tensor], Any]
         for param in policy.trainable_parameters(agent):
             head, kind, rest = re.split(r"\.(lora_[AB])\.", names[id(param)], maxsplit=1)
             key, _, tail = rest.partition(".")
-            state[f"{head}.{kind}.{tail}"] = param.detach().contiguous().cpu()
+            state[f"{head}.{kind}.{tail}"] = sharding.host(param)  # gathered when sharded
         if key is None:
             raise MappaError(f"agent {agent!r} has no LoRA weights to publish")
         out[agent] = (state, policy.model.peft_config[key])
