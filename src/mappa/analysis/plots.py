@@ -81,6 +81,16 @@ def step_axis(ax: Any) -> None:
     ax.set_xlabel("step")
 
 
+def legend(ax: Any) -> None:
+    """Above the lines, in headroom added for it: with several curves filling the axes, matplotlib's "best"
+    spot still covers one of them."""
+    n = len(ax.get_legend_handles_labels()[1])
+    rows = math.ceil(n / 2)
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(lo, hi + (hi - lo) * (0.16 * rows + 0.04))
+    ax.legend(loc="upper center", ncols=2, columnspacing=1.0, handlelength=1.5)
+
+
 def draw_stacked(ax: Any, data: dict[int, dict[str, int]], names: Sequence[str], title: str) -> None:
     """Bars per step, stacked by name; headroom above for the legend."""
     steps = sorted(data)
@@ -118,8 +128,8 @@ def draw_curves(ax: Any, curves: dict[str, Curve], title: str, ylabel: str, perc
     ax.set_title(title, fontsize=9)
     step_axis(ax)
     ax.set_ylabel(ylabel)
-    if curves and any(curves.values()):
-        ax.legend(loc="best")
+    if sum(1 for c in curves.values() if c) > 1:  # one curve: the title names it
+        legend(ax)
 
 
 def draw_series(ax: Any, series: dict[str, dict[int, float]], title: str, percent: bool = False) -> None:
@@ -133,7 +143,7 @@ def draw_series(ax: Any, series: dict[str, dict[int, float]], title: str, percen
     if percent:
         ax.set_ylim(-3, 103)  # rates on their whole scale: 0% reads as 0%, not as a flat line mid-axis
     if len(series) > 1:
-        ax.legend(loc="best")
+        legend(ax)
 
 
 def draw_boxes(ax: Any, groups: dict[int, Sequence[float]], title: str) -> None:
