@@ -98,19 +98,7 @@ def make_ours(batch: int) -> tuple[Policy, torch.optim.Optimizer, Config]:
 
 
 def actions_from(gens, convs) -> list[Action]:
-    return [
-        Action(
-            agent="agent",
-            turn=0,
-            messages=tuple(c),
-            text=g.text,
-            prompt_ids=g.prompt_ids,
-            response_ids=g.response_ids,
-            logprobs=g.logprobs,
-            truncated=g.truncated,
-        )  # fmt: skip
-        for g, c in zip(gens, convs, strict=True)
-    ]
+    return [Action.sampled("agent", 0, c, g) for g, c in zip(gens, convs, strict=True)]
 
 
 def trl_update(trainer, batch: dict) -> None:

@@ -101,19 +101,7 @@ def rollout(policy: Policy, agent: str, rng: random.Random, a: argparse.Namespac
     convs = [[Message(role="user", content=f"What is {rng.randint(1, 99)} * {rng.randint(1, 99)}?")]
              for _ in range(a.batch)]  # fmt: skip
     gens = policy.generate(agent, convs, max_new_tokens=a.tokens, temperature=1.0)
-    return [
-        Action(
-            agent=agent,
-            turn=0,
-            messages=tuple(c),
-            text=g.text,
-            prompt_ids=g.prompt_ids,
-            response_ids=g.response_ids,
-            logprobs=g.logprobs,
-            truncated=g.truncated,
-        )  # fmt: skip
-        for g, c in zip(gens, convs, strict=True)
-    ]
+    return [Action.sampled(agent, 0, c, g) for g, c in zip(gens, convs, strict=True)]
 
 
 def synthetic(agent: str, rng: random.Random, a: argparse.Namespace, vocab: int) -> list[Action]:

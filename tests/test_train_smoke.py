@@ -30,19 +30,7 @@ def make_policy(agent_weights: str = "lora"):
 def sampled_actions(policy, agent: str, n: int, seed: int) -> list[Action]:
     convs = [[Message(role="user", content=f"What is {i} + {i}?")] for i in range(n)]
     gens = policy.generate(agent, convs, max_new_tokens=6, temperature=1.0, seed=seed)
-    return [
-        Action(
-            agent=agent,
-            turn=0,
-            messages=tuple(c),
-            text=g.text,
-            prompt_ids=g.prompt_ids,
-            response_ids=g.response_ids,
-            logprobs=g.logprobs,
-            truncated=g.truncated,
-        )
-        for c, g in zip(convs, gens, strict=True)
-    ]
+    return [Action.sampled(agent, 0, c, g) for c, g in zip(convs, gens, strict=True)]
 
 
 def snapshot(params) -> list[torch.Tensor]:

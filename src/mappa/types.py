@@ -8,6 +8,7 @@ episodes are plain data; the trainer turns them into padded tensors.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -114,6 +115,13 @@ class Action(Record):
     # What the coach is shown beyond the agent's messages, recorded so a replay rebuilds the same context; never
     # shown to the agent (file-passing workflows: the files before and after the action, the Analyst's test score).
     evidence: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def sampled(cls, agent: str, turn: int, messages: Sequence[Message], generation: Any, **fields: Any) -> Action:
+        """The action of one sampled response (a `mappa.policy.Generation`, or a server's) to `messages`."""
+        g = generation
+        return cls(agent=agent, turn=turn, messages=tuple(messages), text=g.text, prompt_ids=tuple(g.prompt_ids),
+                   response_ids=tuple(g.response_ids), logprobs=tuple(g.logprobs), truncated=g.truncated, **fields)  # fmt: skip
 
 
 class Episode(Record):

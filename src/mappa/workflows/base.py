@@ -235,18 +235,7 @@ def run_stage(
         result = results.get(i)
         if result is not None:
             turn.state.sandbox_s += result.duration_s
-        action = Action(
-            agent=spec.name,
-            turn=turn_index,
-            messages=tuple(messages),
-            text=g.text,
-            prompt_ids=tuple(g.prompt_ids),
-            response_ids=tuple(g.response_ids),
-            logprobs=tuple(g.logprobs),
-            truncated=g.truncated,
-            exec_result=result,
-        )
-        out.append((turn, action))
+        out.append((turn, Action.sampled(spec.name, turn_index, messages, g, exec_result=result)))
     return out
 
 
