@@ -193,3 +193,28 @@ def test_eval_of_a_damaged_checkpoint_is_one_line_and_writes_nothing(
     assert "Traceback" not in err and lines[-1].startswith("mappa: error: ") and sum("error" in x for x in lines) == 1
     assert message in lines[-1] and str(ckpt) in lines[-1], lines[-1]
     assert sorted(p for p in (tmp_path / "run").rglob("*")) == before  # no eval/ directory, nothing written
+
+
+def test_eval_console_shows_tabular_submissions_per_data_type() -> None:
+    from rich.console import Console
+
+    from mappa.cli.evaluate import print_eval
+    from mappa.metrics import episode_metrics
+
+    def episode(i: int, data_type: str, valid: bool, gap: float) -> Episode:
+        task = Task(id=f"t{i}", problem="p", answer="", source="dsbench", meta={"data_type": data_type})
+        sub = {"valid": valid, "gap": gap, "reference_fraction": 2 * gap}
+        return Episode(id=f"e{i}", workflow="ds_pipeline", task=task, correct=valid, meta={"submission": sub})
+
+    episodes = [episode(0, "classification", True, 0.4), episode(1, "classification", False, 0.9),
+                episode(2, "regression", True, 0.5)]  # fmt: skip
+    metrics = {**episode_metrics(episodes, ["analyst"], "eval"), "eval/seconds": 1.0}
+    console = Console(record=True, width=120)
+    print_eval(console, "eval", metrics, ["analyst"])
+    lines = console.export_text().splitlines()
+    table = lines[next(i for i, x in enumerate(lines) if "data type" in x) :]  # the last table: submissions
+    rows = {cells[1]: cells[2:6] for x in table if len(cells := [c.strip() for c in x.split("│")]) > 5}
+    # an invalid submission counts 0 towards the gap: classification (0.4 + 0) / 2
+    assert rows["classification"] == ["2", "50.0% [9.5, 90.5]", "0.200", "0.40"]
+    assert rows["regression"] == ["1", "100.0% [20.7, 100.0]", "0.500", "1.00"]
+    assert rows["all"] == ["3", "66.7% [20.8, 93.9]", "0.300", "0.60"]

@@ -50,6 +50,24 @@ def accuracy_table(metrics: dict[str, float], prefix: str = "eval") -> Table:
     return table
 
 
+def tabular_table(metrics: dict[str, float], prefix: str = "eval") -> Table | None:
+    """Tabular tasks' submissions per data type (`mappa.metrics`): valid share with its interval, DSBench's gap
+    and the fraction of the reference; None when the evaluation had no tabular task."""
+    head = f"{prefix}/tabular"
+    if f"{head}/episodes" not in metrics:
+        return None
+    table = Table(title_justify="left")
+    for col in ("data type", "episodes", "valid [95% CI]", "gap", "of reference"):
+        table.add_column(col, justify="left" if col == "data type" else "right")
+    types = sorted({k[len(head) + 1 :].split("/")[0] for k in metrics if k.startswith(head + "/")} - {"valid_rate",
+                   "gap", "reference_fraction", "episodes"})  # fmt: skip
+    for name, key in [*((t, f"{head}/{t}") for t in types), ("[bold]all[/]", head)]:
+        n = metrics[f"{key}/episodes"]
+        table.add_row(name, f"{n:.0f}", pct_ci(metrics[f"{key}/valid_rate"], n), f"{metrics[f'{key}/gap']:.3f}",
+                      f"{metrics[f'{key}/reference_fraction']:.2f}")  # fmt: skip
+    return table
+
+
 def print_eval(console: Console, title: str, metrics: dict[str, float], agents: Sequence[str]) -> None:
     table = Table(title=title, title_justify="left")
     for col in ("agent", "tool use", "resp. tokens", "truncated", "actions/ep"):
@@ -64,6 +82,8 @@ def print_eval(console: Console, title: str, metrics: dict[str, float], agents: 
         )
     console.print(table)
     console.print(accuracy_table(metrics))
+    if (tabular := tabular_table(metrics)) is not None:
+        console.print(tabular)
     console.print(
         f"rule-based check; answered {metrics['eval/answered_rate']:.0%}; {metrics['eval/seconds']:.0f} s",
         highlight=False,
