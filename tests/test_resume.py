@@ -385,3 +385,17 @@ def test_resume_with_set_extends_the_run_and_keeps_the_setting(
     assert [r["step"] for r in _train_rows(run_dir)] == [1, 2, 3]
     assert load_config(run_dir / "config.yaml").train.steps == 3  # a later plain --resume continues to 3
     assert latest_checkpoint(run_dir).name == "step-000003"
+
+
+@pytest.mark.parametrize(("keep", "left"), [(2, [3, 4]), (1, [4]), (0, [1, 2, 3, 4])])
+def test_checkpoint_rotation_keeps_the_newest(tmp_path: Path, keep: int, left: list[int]) -> None:
+    """`train.keep_checkpoints`: the newest `keep` complete checkpoints stay (0: all, for `mappa probe`)."""
+    from test_train_smoke import make_policy
+
+    from mappa.checkpoint import latest_checkpoint, save_checkpoint
+
+    policy = make_policy()
+    for step in range(1, 5):
+        save_checkpoint(tmp_path, step, policy=policy, optimizers={}, state={}, keep=keep)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == [f"step-{s:06d}" for s in left]
+    assert latest_checkpoint(tmp_path).name == "step-000004"

@@ -80,8 +80,10 @@ def save_checkpoint(
     policy: Any,
     optimizers: dict[str, torch.optim.Optimizer],
     state: dict[str, Any],
+    keep: int = KEEP_LAST,
 ) -> Path:
-    """Write checkpoint `step` atomically and point `latest` at it; returns its directory."""
+    """Write checkpoint `step` atomically and point `latest` at it, then delete all but the `keep` newest
+    (0: keep every one); returns its directory."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
@@ -100,7 +102,7 @@ def save_checkpoint(
     pointer.write_text(final.name, encoding="utf-8")
     os.replace(pointer, root / "latest")
     _fsync_dir(root)
-    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-KEEP_LAST]:
+    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep] if keep else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
 

@@ -193,6 +193,10 @@ class TrainConfig(Section):
     drop_truncated: bool = Field(True, description="Leave actions cut off by the token cap out of the loss.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0: only at start and end).")
     checkpoint_every: int = Field(1, ge=1, description="Checkpoint every N steps.")
+    keep_checkpoints: int = Field(
+        2, ge=0, description="Newest complete checkpoints kept, older ones deleted; 0: keep every one (`mappa probe` "
+        "then measures specialisation and forgetting at every checkpoint).",
+    )  # fmt: skip
     self_test: bool = Field(True, description="Run the self-test before the first step, and again on every resume.")
     max_unscored_steps: int = Field(
         3, ge=0, description="Stop the run after this many consecutive steps in which the coach scored no action "

@@ -217,7 +217,10 @@ def train_step(run: Run) -> dict[str, float]:
     run.tracker.log(metrics, run.step)
     if run.step % t.checkpoint_every == 0 or run.step == t.steps:
         state = {"cursor": run.cursor}
-        save_checkpoint(run.run_dir, run.step, policy=run.policy, optimizers=run.optimizers, state=state)
+        save_checkpoint(
+            run.run_dir, run.step, policy=run.policy, optimizers=run.optimizers, state=state,
+            keep=run.cfg.train.keep_checkpoints,
+        )  # fmt: skip
     _stop_if_unscored(run, episodes, scores)
     return metrics
 
