@@ -389,3 +389,18 @@ def test_the_report_draws_what_mappa_probe_writes(tiny_run: Path, tmp_path: Path
         html = specialisation(run, plots)
         assert plots.count == 1 and "KL from the base" in html and "general-text NLL" in html
     assert "NLL of each role's prompts" in html and ("(+" in html or "(-" in html)  # differences from the base
+
+
+def test_config_diff_fills_defaults_before_comparing() -> None:
+    """A run written before a setting existed ran with its default: not a difference. A real one is named, and
+    a config this version cannot read is still compared as written."""
+    from mappa.analysis.compare import config_diff
+
+    old = {"seed": 42, "train": {"steps": 3}}
+    assert config_diff(old, {"seed": 42, "train": {"steps": 3, "keep_checkpoints": 2}}) == ""
+    assert config_diff(old, {"seed": 43, "train": {"steps": 3}}) == "seed=43"
+    assert (
+        config_diff(old, {"seed": 42, "train": {"steps": 3}, "coach": {"backend": "outcome"}})
+        == "coach.backend=outcome"
+    )
+    assert config_diff({"foreign": 1}, {"foreign": 2}) == "foreign=2"

@@ -15,6 +15,8 @@ from typing import Any
 
 from mappa.analysis.curves import Point, accuracy_point, final_eval, score_curves, train_curve
 from mappa.analysis.runs import RunData
+from mappa.config import config_from_dict
+from mappa.errors import MappaError
 from mappa.metrics import Gain, accuracy_gain
 
 IGNORED = {"run_dir", "name"}  # settings that differ between any two runs
@@ -45,9 +47,18 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _settings(config: dict[str, Any]) -> dict[str, Any]:
+    """Every setting of a config.yaml, defaults filled in: a run written before a setting existed holds its
+    default (as it ran), not a difference. A config this version cannot read is compared as written."""
+    try:
+        return _flatten(config_from_dict(config).model_dump(mode="json"))
+    except MappaError:
+        return _flatten(config)
+
+
 def config_diff(a: dict[str, Any], b: dict[str, Any]) -> str:
     """`key=value` for every setting of b that differs from a (run names and directories left out)."""
-    fa, fb = _flatten(a), _flatten(b)
+    fa, fb = _settings(a), _settings(b)
     keys = sorted(k for k in set(fa) | set(fb) if k not in IGNORED and fa.get(k) != fb.get(k))
     return ", ".join(f"{k}={fb.get(k)}" for k in keys)
 
