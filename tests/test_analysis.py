@@ -404,3 +404,19 @@ def test_config_diff_fills_defaults_before_comparing() -> None:
         == "coach.backend=outcome"
     )
     assert config_diff({"foreign": 1}, {"foreign": 2}) == "foreign=2"
+
+
+@pytest.mark.parametrize(("n_runs", "panel_legends", "figure_legends"), [(2, 3, 0), (5, 0, 1)])
+def test_comparison_legend_per_panel_or_once_under_many_runs(
+    tmp_path: Path, n_runs: int, panel_legends: int, figure_legends: int
+) -> None:
+    """A few runs: a legend in each panel; many: their names would cover the panels, so one legend under all."""
+    from mappa.analysis.sections import comparison
+
+    runs = [load_run(write_run(tmp_path / f"r{i}", synthetic(seed=i, steps=2, per_step=6))) for i in range(n_runs)]
+    with Plots() as plots:
+        html_text = comparison(runs, plots)
+    svg = html_text[html_text.index("<svg") : html_text.index("</svg>")]
+    assert len(re.findall(r'id="f\d+-legend_\d+"', svg)) == panel_legends + figure_legends
+    names = re.findall(r">(r\d)</text>|<text[^>]*>\s*<!--\s*(r\d)\s*-->", svg)
+    assert {a or b for a, b in names} == {f"r{i}" for i in range(n_runs)}  # every run named in a legend

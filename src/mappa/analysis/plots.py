@@ -60,7 +60,10 @@ class Plots:
         """The figure as SVG text (no XML prolog), ids made unique to this figure; the figure is closed."""
         self.count += 1
         buf = io.StringIO()
-        fig.tight_layout()
+        legend_rows = sum(math.ceil(len(lg.get_texts()) / LEGEND_COLS) for lg in fig.legends)
+        fig.tight_layout(
+            rect=(0, (LEGEND_ROW_IN * legend_rows + 0.05 * bool(legend_rows)) / fig.get_figheight(), 1, 1)
+        )
         fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None})
         self.plt.close(fig)
         text = buf.getvalue()
@@ -81,14 +84,32 @@ def step_axis(ax: Any) -> None:
     ax.set_xlabel("step")
 
 
+PANEL_LEGEND_MAX = 4  # more curves than this: one legend under the figure (`shared_legend`), none per panel
+LEGEND_ROW_IN = 0.2  # inches per row of a shared legend
+LEGEND_COLS = 5
+
+
 def legend(ax: Any) -> None:
     """Above the lines, in headroom added for it: with several curves filling the axes, matplotlib's "best"
-    spot still covers one of them."""
+    spot still covers one of them. More than `PANEL_LEGEND_MAX` curves get none here (`shared_legend`)."""
     n = len(ax.get_legend_handles_labels()[1])
+    if n > PANEL_LEGEND_MAX:
+        return
     rows = math.ceil(n / 2)
     lo, hi = ax.get_ylim()
     ax.set_ylim(lo, hi + (hi - lo) * (0.16 * rows + 0.04))
     ax.legend(loc="upper center", ncols=2, columnspacing=1.0, handlelength=1.5)
+
+
+def shared_legend(fig: Any, ax: Any) -> None:
+    """One legend under all the figure's panels, from `ax`'s curves (the panels show the same names); the
+    figure grows by its rows and `Plots.svg` keeps them clear of the panels."""
+    handles, labels = ax.get_legend_handles_labels()
+    if not labels:
+        return
+    rows = math.ceil(len(labels) / LEGEND_COLS)
+    fig.set_figheight(fig.get_figheight() + LEGEND_ROW_IN * rows)
+    fig.legend(handles, labels, loc="lower center", ncols=min(len(labels), LEGEND_COLS), bbox_to_anchor=(0.5, 0.0))
 
 
 def draw_stacked(ax: Any, data: dict[int, dict[str, int]], names: Sequence[str], title: str) -> None:

@@ -14,7 +14,16 @@ from mappa.analysis.blame import KINDS, blame, blame_by_step, blame_table, kinds
 from mappa.analysis.compare import compare_runs
 from mappa.analysis.curves import Curve, Point, eval_curves, score_curves, train_curve
 from mappa.analysis.hacking import HackingCheck
-from mappa.analysis.plots import Plots, draw_boxes, draw_curves, draw_gaps, draw_series, draw_stacked
+from mappa.analysis.plots import (
+    PANEL_LEGEND_MAX,
+    Plots,
+    draw_boxes,
+    draw_curves,
+    draw_gaps,
+    draw_series,
+    draw_stacked,
+    shared_legend,
+)
 from mappa.analysis.runs import STRATA, RunData, scored_actions, step_of, stratum
 from mappa.config import AnalysisConfig
 from mappa.metrics import Gain, accuracy_gain, wilson_interval
@@ -379,6 +388,8 @@ def comparison(runs: Sequence[RunData], plots: Plots) -> str:
             per_step[step_of(e)].append(s)
         pooled[r.name] = {k: sum(v) / len(v) for k, v in sorted(per_step.items())}
     draw_series(a3, pooled, "mean coach score, all agents")
+    if len(runs) > PANEL_LEGEND_MAX:
+        shared_legend(fig, a1)
     out = figure(plots.svg(fig), "comparison", "Runs overlaid, with 95% intervals.")
     rows = [
         [esc(s.name), str(s.steps), _pct(s.start), _pct(s.final), _gain(s.gain), _pct(s.train), fmt(s.score),
