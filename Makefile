@@ -12,25 +12,22 @@ venv: $(STAMP) system
 # System packages: bubblewrap confines the agents' code; chromium renders the HTML report in its browser test.
 # Installed when we can (root with apt), otherwise one line says what falls back (the sandbox's weaker
 # confinement) or is skipped (the browser test); re-running is a no-op once they are there.
+# $(call apt_ensure,PACKAGE,TEST THAT FINDS IT,WHAT IT IS FOR,WHAT HAPPENS WITHOUT IT)
+define apt_ensure
+	@if $(2); then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing $(1) (apt-get install $(1)) $(3)"; \
+	  (apt-get install -y -q $(1) >/dev/null 2>&1 || \
+	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $(1) >/dev/null 2>&1)) || \
+	  echo "warning: could not install $(1); $(4)"; \
+	else \
+	  echo "warning: $(1) missing (install it: apt-get install $(1)); $(4)"; \
+	fi
+endef
+
 system:
-	@if command -v bwrap >/dev/null 2>&1; then :; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	  echo "installing bubblewrap (apt-get install bubblewrap) to confine the agents' code"; \
-	  (apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
-	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1)) || \
-	  echo "warning: could not install bubblewrap; the sandbox uses its fallback confinement (see docs/sandbox.md)"; \
-	else \
-	  echo "warning: bubblewrap missing (install it: apt-get install bubblewrap); the sandbox uses its fallback confinement"; \
-	fi
-	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	  echo "installing chromium (apt-get install chromium) to test the HTML report in a real browser"; \
-	  (apt-get install -y -q chromium >/dev/null 2>&1 || \
-	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)) || \
-	  echo "warning: could not install chromium; the report's browser test is skipped"; \
-	else \
-	  echo "warning: chromium missing (install it: apt-get install chromium); the report's browser test is skipped"; \
-	fi
+	$(call apt_ensure,bubblewrap,command -v bwrap >/dev/null 2>&1,to confine the agents' code,the sandbox uses its fallback confinement (see docs/sandbox.md))
+	$(call apt_ensure,chromium,command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1,to test the HTML report in a real browser,the report's browser test is skipped)
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)

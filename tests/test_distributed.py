@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import ray
 import torch
 from test_resume import TINY as RESUME_TINY
+from test_resume import kill_at_checkpoint
 
 from mappa.checkpoint import latest_checkpoint
 from mappa.config import Config, load_config
@@ -199,16 +198,8 @@ def test_sigkill_mid_run_then_resume_on_ray(ray_cluster: str, ray_run: Path, tmp
     run_dir = tmp_path / "killed"
     sets = [a for o in [*TINY, f"run_dir={run_dir}"] for a in ("--set", o)]
     proc = _mappa(["train", *sets, "--ray", "local"], tmp_path / "first.log")
-    deadline = time.monotonic() + 300
     try:
-        while True:  # kill as soon as step 1 is checkpointed: step 2 is then under way
-            ckpt = latest_checkpoint(run_dir) if run_dir.exists() else None
-            if ckpt is not None and ckpt.name == "step-000001":
-                break
-            assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint in time"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)
+        kill_at_checkpoint(proc, run_dir, 1, tmp_path / "first.log", timeout=300)  # step 2 is then under way
     finally:
         _end_session(proc)
     assert {r["step"] for r in read_metrics(run_dir) if "time/rollout_s" in r} == {1}

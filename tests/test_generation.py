@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from test_resume import TINY  # the resume tests' tiny run: 2 tasks a step, several optimizer steps per agent
+from test_resume import TINY, kill_at_checkpoint  # TINY: 2 tasks a step, several optimizer steps per agent
 
 from mappa.checkpoint import latest_checkpoint
 from mappa.config import load_config
@@ -236,16 +235,8 @@ def test_kill_and_resume_with_the_server_backend(server: str, tmp_path: Path) ->
     log = tmp_path / "first.log"
     cmd = [sys.executable, "-m", "mappa.cli", "train", *[a for o in sets for a in ("--set", o)]]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=_env())
-    deadline = time.monotonic() + 240
     try:
-        while True:  # kill once step 2 is checkpointed: step 3 is under way
-            ckpt = latest_checkpoint(run_dir) if run_dir.exists() else None
-            if ckpt is not None and ckpt.name == "step-000002":
-                break
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint in time"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
+        kill_at_checkpoint(proc, run_dir, 2, log)  # step 3 is then under way
     finally:
         proc.kill()
         proc.wait()

@@ -113,6 +113,18 @@ def _train_rows(run_dir: Path) -> list[dict]:
     return [r for r in rows if "time/rollout_s" in r]
 
 
+def kill_at_checkpoint(proc: subprocess.Popen, run_dir: Path, step: int, log: Path, timeout: float = 240) -> None:
+    """SIGKILL `proc` as soon as checkpoint `step` is complete (the next step is then under way); fails with the
+    log's tail if it exits first, or after `timeout` seconds. The caller reaps it (and whatever it started)."""
+
+    def reached() -> bool:
+        ckpt = latest_checkpoint(run_dir) if run_dir.exists() else None
+        return ckpt is not None and ckpt.name == f"step-{step:06d}"
+
+    _wait_for(reached, proc, log, f"checkpoint {step}", timeout)
+    proc.send_signal(signal.SIGKILL)
+
+
 def _mappa(args: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
@@ -129,16 +141,8 @@ def test_sigkill_mid_run_then_resume_continues_exactly(tmp_path: Path) -> None:
     killed_dir = tmp_path / "killed"
     overrides = [*TINY, f"train.steps={steps}", f"run_dir={killed_dir}"]
     proc = _mappa(["train", *[a for o in overrides for a in ("--set", o)]], tmp_path / "first.log")
-    deadline = time.monotonic() + 240
     try:
-        while True:  # kill as soon as step 2 is checkpointed: step 3 is then under way
-            ckpt = latest_checkpoint(killed_dir) if killed_dir.exists() else None
-            if ckpt is not None and ckpt.name == "step-000002":
-                break
-            assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint in time"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
+        kill_at_checkpoint(proc, killed_dir, 2, tmp_path / "first.log")
     finally:
         proc.kill()
         proc.wait()
@@ -318,8 +322,8 @@ def test_a_coach_that_goes_down_mid_run_stops_it_resumable(tmp_path: Path) -> No
     assert latest_checkpoint(run_dir).name == "step-000002"
 
 
-def _wait_for(condition, proc: subprocess.Popen, log: Path, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + 240
+def _wait_for(condition, proc: subprocess.Popen, log: Path, what: str, timeout: float = 240) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
     while not condition():
         assert proc.poll() is None, log.read_text()[-3000:]
         assert time.monotonic() < deadline, f"{what}: not in time"
@@ -390,12 +394,7 @@ def test_resume_with_set_extends_the_run_and_keeps_the_setting(
 @pytest.mark.parametrize(("keep", "left"), [(2, [3, 4]), (1, [4]), (0, [1, 2, 3, 4])])
 def test_checkpoint_rotation_keeps_the_newest(tmp_path: Path, keep: int, left: list[int]) -> None:
     """`train.keep_checkpoints`: the newest `keep` complete checkpoints stay (0: all, for `mappa probe`)."""
-    from test_train_smoke import make_policy
-
-    from mappa.checkpoint import latest_checkpoint, save_checkpoint
-
-    policy = make_policy()
     for step in range(1, 5):
-        save_checkpoint(tmp_path, step, policy=policy, optimizers={}, state={}, keep=keep)
+        save_checkpoint(tmp_path, step, policy=_Toy(), optimizers={}, state={}, keep=keep)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == [f"step-{s:06d}" for s in left]
     assert latest_checkpoint(tmp_path).name == "step-000004"
