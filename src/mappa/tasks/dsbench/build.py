@@ -40,7 +40,7 @@ from sklearn.model_selection import GroupShuffleSplit, train_test_split
 from mappa.config import SandboxConfig
 from mappa.errors import MappaError
 from mappa.sandbox import Sandbox
-from mappa.tasks.dsbench.catalogue import SPECS, TaskSpec, load_frame, package_versions, source_line
+from mappa.tasks.dsbench.catalogue import SPECS, TaskSpec, load_frame, package_versions
 from mappa.tasks.dsbench.describe import describe_task
 from mappa.tasks.dsbench.metrics import higher_is_better, trivial_prediction
 from mappa.tasks.dsbench.reference import run_reference
@@ -145,10 +145,13 @@ def prepare_task(spec: TaskSpec, staging: Path, seed: int) -> Prepared:
     test.insert(0, id_column, range(len(train) + 1, len(train) + len(test) + 1))
     task_dir, answer_dir = staging / "tasks" / spec.id, staging / "answers" / spec.id
     task_dir.mkdir(parents=True)
-    answer_dir.mkdir(parents=True)
+    # The hidden answers are the trainer's alone: 0700 folders and 0600 files, unreadable to a sandbox uid.
+    answer_dir.parent.mkdir(mode=0o700, exist_ok=True)
+    answer_dir.mkdir(mode=0o700)
     _write_csv(train[[id_column, *features, spec.target]], task_dir / "train.csv")
     _write_csv(test[[id_column, *features]], task_dir / "test.csv")
     _write_csv(test[[id_column, spec.target]], answer_dir / "test_answer.csv")
+    os.chmod(answer_dir / "test_answer.csv", 0o600)
     sample = _sample_submission(spec, test[id_column], train[spec.target])
     _write_csv(sample, task_dir / "sample_submission.csv")
     head = (task_dir / "sample_submission.csv").read_text(encoding="utf-8").splitlines()[:4]
@@ -163,7 +166,6 @@ def prepare_task(spec: TaskSpec, staging: Path, seed: int) -> Prepared:
         data_type=spec.data_type,
         n_test=len(test),
         sample_head="\n".join(head),
-        source_line=source_line(spec),
     )
     (task_dir / "description.txt").write_text(text, encoding="utf-8")
     meta = {

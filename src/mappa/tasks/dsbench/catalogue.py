@@ -105,11 +105,6 @@ def load_frame(spec: TaskSpec) -> pd.DataFrame:
     return frame
 
 
-def source_line(spec: TaskSpec) -> str:
-    source = SOURCES[spec.source]
-    return f"table {spec.table} of the Python package {source.distribution} ({source.licence} packaging)."
-
-
 def package_versions(specs: Sequence[TaskSpec]) -> dict[str, str]:
     """distribution -> installed version, for the packages `specs` use (recorded in build.json)."""
     names = sorted({SOURCES[s.source].distribution for s in specs} | {"scikit-learn", "pandas", "numpy"})

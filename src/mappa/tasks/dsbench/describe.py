@@ -62,9 +62,11 @@ def describe_task(
     data_type: str,
     n_test: int,
     sample_head: str,
-    source_line: str,
 ) -> str:
-    """The text of description.txt for a task whose training table (id, features, target) is `train`."""
+    """The text of description.txt for a task whose training table (id, features, target) is `train`.
+
+    It never names the package or table the data comes from: agent code that knew them could look the
+    test rows' labels up (the provenance is in the benchmark's tasks.jsonl, which no workspace gets)."""
     classes = train[target].nunique()
     kind = "regression" if data_type == "regression" else ("binary" if classes == 2 else "multiclass")
     kind_text = "regression" if kind == "regression" else f"{kind} classification ({classes} classes)"
@@ -100,8 +102,6 @@ def describe_task(
             "## Submission format",
             f"A CSV file `submission.csv` with a header and one row per id of test.csv: {answer}. For example:",
             sample_head.rstrip("\n"),
-            "",
-            f"Data: {source_line}",
             "",
         ]
     )
