@@ -91,6 +91,17 @@ class SandboxConfig(Section):
     confinement: Literal["auto", "bwrap", "fallback"] = Field(
         "auto", description="auto: bubblewrap when it works, else the fallback (warned); bwrap: required; fallback."
     )
+    python: str | None = Field(
+        None,
+        description="The agent environment's interpreter (what agent code may import); default: "
+        "$MAPPA_AGENT_PYTHON, else .venv-agents/bin/python (made by `make`), else the trainer's own Python.",
+    )
+    max_open_files: int = Field(256, ge=16, description="Open-file limit per snippet process (RLIMIT_NOFILE).")
+    allow_unconfined: bool = Field(
+        False,
+        description="Train or evaluate on tasks with hidden answers even where the sandbox cannot hide them "
+        "(every run line then says the answers are reachable).",
+    )
 
 
 class CoachConfig(Section):
