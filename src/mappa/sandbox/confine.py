@@ -328,8 +328,13 @@ class Confinement:
 @functools.cache
 def _bwrap_path() -> str | None:
     """bubblewrap's path on PATH, also when it exists but cannot be executed (so that this can be said)."""
-    found = [Path(d) / "bwrap" for d in os.environ.get("PATH", "").split(os.pathsep) if d]
-    return next((str(p) for p in found if p.exists()), None)
+    for d in os.environ.get("PATH", "").split(os.pathsep):
+        try:
+            if d and (Path(d) / "bwrap").exists():
+                return str(Path(d) / "bwrap")
+        except OSError:  # a directory on PATH that this user may not enter
+            continue
+    return None
 
 
 def _bwrap_flags(drop_uid: bool, die_with_parent: bool, chdir: Path) -> list[str]:
@@ -382,12 +387,13 @@ def _fallback(env: AgentEnv) -> Confinement:
         if _probe([*prefix, "true"]) is None:
             net = prefix
             break
-    # A private mount namespace lets the runner build the allowlisted root itself.
-    private = (
-        (("unshare", "-m", "-n"), ("unshare", "-m"))
-        if is_root()
-        else (("unshare", "-r", "-m", "-n"), ("unshare", "-r", "-m"))
-    )
+    # A private mount namespace lets the runner build the allowlisted root itself; a PID namespace too gives it
+    # a /proc of the sandbox's own processes (the host's would show every command line, and, to a snippet that
+    # kept the user's uid, the trainer's environment).
+    user = () if is_root() else ("-r",)
+    private = [
+        ("unshare", *user, *flags) for flags in (("-m", "-n", "-p", "-f"), ("-m", "-p", "-f"), ("-m", "-n"), ("-m",))
+    ]
     for prefix in private if unshare else ():
         conf = Confinement("fallback", drop_uid=is_root(), unshare=prefix, allowlist=True, env=env)
         if _probe(_probe_argv(conf)) is None:
@@ -455,7 +461,8 @@ def describe_confinement(confinement: Confinement | ConfinementMode = "auto", py
         who = "one unprivileged uid per workspace" if c.drop_uid else "your uid in a user namespace"
         return (
             f"sandbox: fallback without bubblewrap (allowlisted root built in a mount namespace: system, {env}, "
-            f"workspace; {net}, own IPC and mount namespaces per snippet, {who}; {limits})"
+            f"workspace; {net}, {'own PID namespace, ' if '-p' in c.unshare else ''}own IPC and mount namespaces "
+            f"per snippet, {who}; {limits})"
         )
     if is_root() and not c.drop_uid:
         return (

@@ -138,7 +138,7 @@ def build_result(
     stderr: BoundedStream,
     timed_out: bool,
     duration_s: float,
-    files: tuple[tuple[str, ...], tuple[str, ...]],
+    files: tuple[tuple[str, ...], tuple[str, ...], int],
     infra_error: str | None = None,
     memory_exceeded: bool = False,
 ) -> ExecResult:
@@ -171,6 +171,7 @@ def build_result(
         duration_s=round(duration_s, 4),
         files_created=files[0],
         files_changed=files[1],
+        files_omitted=files[2],
         infra_error=infra_error,
     )
 
@@ -185,7 +186,7 @@ def code_memfd(code: str) -> int:
 
 def failed_to_start(limits: Limits, why: str) -> ExecResult:
     empty = BoundedStream(limits.max_output_chars)
-    return build_result(None, empty, empty, False, 0.0, ((), ()), infra_error=why)
+    return build_result(None, empty, empty, False, 0.0, ((), (), 0), infra_error=why)
 
 
 class RunnerReport:

@@ -50,7 +50,8 @@ RUNNER_FAILED = 254
 RUNNER_TAG = "mappa-runner:"
 SNIPPET_NAME = "<snippet>"
 WATCH_INTERVAL_S = 0.05  # memory sampling period: ~0.1 ms of /proc reads per running snippet
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
+MS_PRIVATE = 1 << 18
 CLONE_NEWNS, CLONE_NEWIPC = 0x00020000, 0x08000000
 NEW_ROOT = "/mnt"  # where the fallback assembles the allowlisted root before chrooting into it
 _libc = None
@@ -122,7 +123,11 @@ def build_root(ops: list) -> None:
             for name in ("null", "zero", "full", "random", "urandom"):
                 _bind(f"/dev/{name}", f"{at}/{name}", False)
         elif kind == "proc":
-            _bind("/proc", at, False)
+            if os.getpid() == 1:  # our own PID namespace: a procfs of its processes alone (no host environ, argv)
+                os.makedirs(at, mode=0o755, exist_ok=True)
+                mount("proc", at, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            else:
+                _bind("/proc", at, False)
         elif kind == "remount_ro":
             mount(None, at, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.chroot(NEW_ROOT)

@@ -18,7 +18,8 @@ from mappa.errors import MappaError
 from mappa.sandbox.confine import UID_BASE, allocate_uid, is_root
 
 KEEP_PREFIX = "ws-keep-"
-MAX_SNAPSHOT_FILES = 20_000  # a snippet that creates a million files must not stall the host
+MAX_SNAPSHOT_FILES = 5_000  # a snippet that creates a million files must not stall the host
+MAX_LISTED = 200  # names of created or changed files an ExecResult carries; the rest are counted
 
 
 def workspace_root() -> Path:
@@ -127,7 +128,9 @@ def snapshot(path: Path) -> dict[str, tuple[int, int]]:
 
 def diff_snapshots(
     before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]
-) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    created = tuple(sorted(k for k in after if k not in before))
-    changed = tuple(sorted(k for k in after if k in before and after[k] != before[k]))
-    return created, changed
+) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+    """(created, changed, omitted): at most MAX_LISTED names each, sorted, and how many more there were."""
+    created = sorted(k for k in after if k not in before)
+    changed = sorted(k for k in after if k in before and after[k] != before[k])
+    omitted = max(0, len(created) - MAX_LISTED) + max(0, len(changed) - MAX_LISTED)
+    return tuple(created[:MAX_LISTED]), tuple(changed[:MAX_LISTED]), omitted
