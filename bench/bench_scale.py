@@ -47,9 +47,13 @@ from mappa.workflows import build_workflow  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_serve(model: str, threads: int, max_batch: int, log: Path) -> tuple[subprocess.Popen, str]:
-    """`mappa serve` in a subprocess on a free port; returns (process, base URL) once it listens."""
+def start_serve(
+    model: str, threads: int, max_batch: int, log: Path, adapter_root: Path
+) -> tuple[subprocess.Popen, str]:
+    """`mappa serve` in a subprocess on a free port, loading adapters from under `adapter_root`; returns
+    (process, base URL) once it listens."""
     cmd = [sys.executable, "-m", "mappa.cli", "serve", "--model", model, "--port", "0", "--threads", str(threads)]
+    cmd += ["--adapter-root", str(adapter_root)]
     env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([*cmd, "--max-batch", str(max_batch)], stdout=log.open("w"), stderr=subprocess.STDOUT,
                             cwd=ROOT, env=env)  # fmt: skip
@@ -154,7 +158,9 @@ def main() -> None:
         if "local" in arms:
             rows.append(play("(a) local policy", cfg, policy, sandbox, coach, tasks))
         if "server" in arms or "ray" in arms:
-            proc, url = start_serve(cfg.model.name, args.threads, args.episodes * 2, Path(tmp) / "serve.log")
+            proc, url = start_serve(
+                cfg.model.name, args.threads, args.episodes * 2, Path(tmp) / "serve.log", Path(tmp)
+            )
             try:
                 cfg.generation.base_url = url
                 root = Path(tmp) / "adapters"

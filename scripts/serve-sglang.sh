@@ -11,7 +11,9 @@
 #           --set generation.adapter_api=sglang --set generation.base_url=http://HOST:30000/v1
 #
 # Settings (environment): VENV (default ~/.venvs/sglang), SGLANG_VERSION (0.5.23), MAX_LORA_RANK (16),
-# AGENTS (3), CONTEXT_LENGTH (8192), MEM_FRACTION (0.85), TENSOR_PARALLEL (1).
+# AGENTS (3), CONTEXT_LENGTH (8192), MEM_FRACTION (0.85), TENSOR_PARALLEL (1), SGLANG_API_KEY (passed as
+# --api-key: every request then needs it as a Bearer token; train with
+# --set generation.api_key_env=SGLANG_API_KEY so the trainer sends it).
 set -euo pipefail
 
 MODEL=${1:?usage: scripts/serve-sglang.sh MODEL [PORT]}
@@ -43,4 +45,5 @@ exec "$VENV/bin/python" -m sglang.launch_server \
   --max-loaded-loras "$((2 * AGENTS))" \
   --context-length "$CONTEXT_LENGTH" \
   --mem-fraction-static "$MEM_FRACTION" \
-  --tp-size "$TENSOR_PARALLEL"
+  --tp-size "$TENSOR_PARALLEL" \
+  ${SGLANG_API_KEY:+--api-key "$SGLANG_API_KEY"}

@@ -14,7 +14,10 @@
 # Settings (environment): VENV (default ~/.venvs/vllm), VLLM_VERSION (0.33.0), MAX_LORA_RANK (the
 # run's model.lora_r or more; default 16), AGENTS (default 3), MAX_MODEL_LEN (generation.max_context_tokens
 # + generation.max_new_tokens; default 8192), GPU_MEMORY_UTILIZATION (0.85), TENSOR_PARALLEL (1),
-# SERVED_NAME (default MODEL: it must equal the trainer's model.name, which names the base in requests).
+# SERVED_NAME (default MODEL: it must equal the trainer's model.name, which names the base in requests),
+# VLLM_API_KEY (vLLM reads it itself: every request then needs it as a Bearer token; train with
+# --set generation.api_key_env=VLLM_API_KEY so the trainer sends it). vLLM listens on every interface and
+# loads any adapter path it is sent: set a key unless the port is firewalled.
 set -euo pipefail
 
 MODEL=${1:?usage: scripts/serve-vllm.sh MODEL [PORT]}
@@ -37,6 +40,8 @@ fi
 # Runtime adapter loading (POST /v1/load_lora_adapter) is off unless this is set.
 export VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
 
+# --logprobs-mode processed_logprobs: log-probs of the temperature-scaled distribution that was sampled from
+# (what the PPO ratio and the KL refer to); keep generation.top_p at 1, since vLLM's processed values include it.
 # --max-loras: adapters in one batch (every agent's turn can share a batch); --max-cpu-loras: adapters kept
 # loaded, with room for the next step's versions next to the current ones while they are swapped.
 exec "$VENV/bin/vllm" serve "$MODEL" \
@@ -44,6 +49,7 @@ exec "$VENV/bin/vllm" serve "$MODEL" \
   --port "$PORT" \
   --dtype bfloat16 \
   --enable-lora \
+  --logprobs-mode processed_logprobs \
   --max-lora-rank "$MAX_LORA_RANK" \
   --max-loras "$AGENTS" \
   --max-cpu-loras "$((2 * AGENTS))" \

@@ -89,7 +89,7 @@ def test_a_coach_biased_on_one_stratum_is_flagged_and_only_there() -> None:
     flagged = [(b.agent, b.dimension, b.stratum) for b in rows if b.alarm]
     assert flagged == [("verifier", "source", "b")]
     b = next(r for r in rows if r.alarm)
-    assert b.gap[0] > TH.bias_gap and b.gap[1][0] > 0 and "points vs its outcomes" in b.alarm
+    assert b.gap[0] > TH.bias_gap and b.gap[1][0] > 0 and "points vs the other strata" in b.alarm
 
 
 def test_an_unbiased_coach_is_not_flagged() -> None:
@@ -123,7 +123,7 @@ def test_coach_vs_truth_counts_the_confusion_table() -> None:
 def test_rising_scores_with_flat_accuracy_raise_the_hacking_alarm() -> None:
     checks = {c.agent: c for c in hacking_checks(synthetic(coder_rise=0.8), AGENTS, TH)}
     assert checks["code_executor"].alarm and "scores rose" in checks["code_executor"].alarm
-    assert checks["code_executor"].score.rise_ci[0] > 0
+    assert checks["code_executor"].score[1][0] > 0 and checks["code_executor"].excess[1][0] > 0
     assert checks["problem_solver"].alarm is None and checks["verifier"].alarm is None
 
 
@@ -302,7 +302,7 @@ def test_a_killed_run_loads_with_notes(tmp_path: Path) -> None:
 
 def test_thresholds_come_from_the_run_config_and_set(tmp_path: Path) -> None:
     run = load_run(write_run(tmp_path / "run", synthetic(steps=2, per_step=3), evals=False, probes=False))
-    assert run.thresholds().bias_gap == 1.0
+    assert run.thresholds().bias_gap == AnalysisConfig().bias_gap
     assert run.thresholds(["analysis.bias_gap=0.25"]).bias_gap == 0.25
     with pytest.raises(MappaError, match="analysis"):
         run.thresholds(["train.steps=3"])
@@ -349,6 +349,9 @@ def test_report_of_a_tiny_two_step_run(tiny_run: Path, tmp_path: Path) -> None:
     for name in ("alarms", *SECTIONS):
         assert f'data-section="{name}"' in page, name
     assert page.count("<svg") >= 5 and "<script" not in page
+    # two steps support no trend and no stratum comparison: the report says so and raises nothing
+    assert "too little data to judge" in proc.stderr and not re.search(r"^alarm ", proc.stderr, re.M)
+    assert page.index('data-section="summary"') < page.index('data-section="alarms"')
 
 
 def test_blame_and_compare_on_a_tiny_run_and_its_killed_copy(tiny_run: Path, tmp_path: Path) -> None:

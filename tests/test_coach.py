@@ -72,7 +72,7 @@ def failed(stderr: str, **kw) -> dict:
         ("PROCESS_SCORE: -3", 0.0),
         ("PROCESS_SCORE: 6,5", 6.5),
         ("end with PROCESS_SCORE: x.\nMy verdict.\nPROCESS_SCORE: 2", 2.0),
-        ("Reply in the form PROCESS_SCORE: 5 ... then actually PROCESS_SCORE: 8", 8.0),
+        ("PROCESS_SCORE: 7\nANSWER_CORRECT: 1\n\n---\n", 7.0),  # the verdict block may end the reply in any order
     ],
 )
 def test_parse_score_variants(text: str, expected: float) -> None:
@@ -88,6 +88,8 @@ def test_parse_score_variants(text: str, expected: float) -> None:
         "PROCESS_SCORE:",
         "",
         "The answer 42 appears in step 2.",
+        # Two different scores: which is the coach's own is a guess, so none is (the follow-up asks again).
+        "Reply in the form PROCESS_SCORE: 5 ... then actually PROCESS_SCORE: 8",
     ],
 )
 def test_parse_score_never_takes_a_stray_number(text: str) -> None:

@@ -51,6 +51,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             str(port),
             "--max-batch",
             "8",
+            # The coach's prompts are longer than the tiny model's nominal context (1024); its rotary
+            # positions run longer, so the server grants the room (see test_local_coach_on_a_tiny_model).
+            "--max-model-len",
+            "8192",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -258,8 +262,9 @@ def test_local_coach_fits_long_evidence_to_its_budget(tmp_path: Path) -> None:
 
     model, tokenizer = tiny_model_and_tokenizer()
     policy = Policy.from_model(model, tokenizer, ["verifier"])
-    # Whole: 3154 tokens; without the oldest two input messages 2284, without three 1816 (measured).
-    cfg = CoachConfig(backend="local", max_tokens=16, max_context_tokens=2400, cache=False)
+    # Whole: 4229 tokens; without the oldest two input messages 3283, with the last character of the second 3391
+    # (its fence and cut note), without three 2743 (measured).
+    cfg = CoachConfig(backend="local", max_tokens=16, max_context_tokens=3500, cache=False)
     turns = tuple(Message(role="user", content=f"turn {i}: " + "word " * 150) for i in range(4))
     (long,) = [c.model_copy(update={"messages": turns}) for c in contexts(1)[-1:]]
     with build_coach(cfg, "mathchat", policy=policy) as runner:
@@ -267,7 +272,7 @@ def test_local_coach_fits_long_evidence_to_its_budget(tmp_path: Path) -> None:
         stats = runner.stats()
         fit = runner.coach.fit
         sent, cut = fit_prompt(long, TEMPLATES["mathchat"], fit.budget, fit.count)
-    assert fit.budget == 2400 - 16  # the reply's room is kept free
+    assert fit.budget == 3500 - 16  # the reply's room is kept free
     # Without the two oldest it fits with room to spare, so the newest part of the second comes back.
     assert (cut.dropped, cut.messages) == (1, 2) and cut.chars > 0
     assert score.truncated_inputs == 2 and stats["truncated_contexts"] == 1

@@ -337,8 +337,8 @@ def test_identical_contexts_in_one_batch_are_paid_once(serve) -> None:
     assert stats["calls"] == 1 and stats["cache_hits"] == 2 and stats["judgments"] == 3
 
 
-def test_long_evidence_goes_whole_without_a_budget(serve) -> None:
-    server, runner = serve({})
+def test_long_evidence_goes_whole_within_a_large_budget(serve) -> None:
+    server, runner = serve({}, max_context_tokens=1_000_000)
     turns = tuple(Message(role="user", content=f"<turn {i}> " + "y" * 20_000) for i in range(4))
     (score,) = runner.score_many([ctx("whole", messages=turns, output="Z" * 30_000)])
     sent = server.requests[0]["messages"][1]["content"]

@@ -34,6 +34,27 @@ def test_extract_code_blocks(text, blocks):
     assert extract_code_blocks(text) == blocks
 
 
+THINK = f"<think>\nTry it:\n{FENCE}python\nprint('draft')\n{FENCE}\n</think>\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "blocks"),
+    [
+        (THINK + "The answer is 4.", []),  # the only code is inside the reasoning: nothing runs
+        (THINK + f"{FENCE}python\nprint('reply')\n{FENCE}", ["print('reply')"]),
+        (f"<thinking>\n{FENCE}python\nprint(1)\n{FENCE}\n</thinking>Done.", []),
+        # the chat template opened the reasoning in the prompt: the reply starts inside it
+        (f"{FENCE}python\nprint('draft')\n{FENCE}\n</think>\n{FENCE}python\nprint(2)\n{FENCE}", ["print(2)"]),
+        # generation stopped while thinking: the unclosed block hides its code
+        (f"{FENCE}python\nprint(3)\n{FENCE}\n<think>\n{FENCE}python\nprint('draft')", ["print(3)"]),
+        # a fence left open inside the reasoning does not swallow the reply's code
+        (f"<think>\n{FENCE}python\nx = 1\n</think>\n{FENCE}python\nprint(4)\n{FENCE}", ["print(4)"]),
+    ],
+)
+def test_code_inside_reasoning_does_not_run(text, blocks):
+    assert extract_code_blocks(text) == blocks
+
+
 def test_observation_of_a_clean_run_is_its_stdout():
     r = ExecResult(ok=True, exit_code=0, stdout="42\n")
     assert format_observation(r) == "42"

@@ -72,3 +72,24 @@ def test_outcome_baseline_differs_only_in_the_coach() -> None:
 def test_demo_switches_to_an_llm_coach_with_one_override() -> None:
     cfg = load_config(ROOT / "configs" / "demo.yaml", ["coach.backend=openai"])
     assert cfg.coach.backend == "openai" and cfg.model.name == "smollm2-135m-instruct"
+
+
+@pytest.mark.parametrize(
+    ("name", "scale", "eval_every"),
+    [("mathchat.yaml", 0.1, 4), ("mathchat_outcome.yaml", 0.1, 4), ("ds_pipeline.yaml", 1.0, 2)],
+)
+def test_paper_presets_scale_rewards_and_evaluate_as_the_paper(name: str, scale: float, eval_every: int) -> None:
+    """method.md section 2: MathChat's coach score / 10, the data-science team's raw 0-10; the paper evaluated
+    MathChat every 4 steps and the data-science team every 2."""
+    cfg = load_config(ROOT / "configs" / name)
+    assert cfg.workflow.reward_scale == scale and cfg.workflow.score_scale == scale
+    assert cfg.train.eval_every == eval_every
+
+
+def test_reward_scale_defaults_to_the_workflows_published_value() -> None:
+    from mappa.config import WorkflowConfig
+
+    assert WorkflowConfig(name="mathchat").score_scale == 0.1
+    assert WorkflowConfig(name="ds_pipeline").score_scale == 1.0
+    assert WorkflowConfig(name="ds_pipeline", reward_scale=0.1).score_scale == 0.1
+    assert load_config(ROOT / "configs" / "ds_demo.yaml").workflow.score_scale == 1.0

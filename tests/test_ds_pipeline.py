@@ -267,11 +267,13 @@ def test_a_forgotten_x_test_is_blamed_on_the_data_engineer_not_the_modeler(bench
     assert e.meta["submission"]["valid"] is False and e.meta["submission"]["gap"] == 0.0
     # The LLM coach's prompt carries the same receipts, and the test-set evaluation for the Analyst only.
     analyst_prompt = build_messages(scorer.contexts[-1], DS_PIPELINE)[1]["content"]
-    assert "- X_test.pkl (the data_engineer's)" in analyst_prompt and "Test-set evaluation" in analyst_prompt
-    assert "Hard cap on this action's score\nno valid submission" in analyst_prompt
+    # File names are JSON strings; the cap's number stands outside the evidence fences, its rule inside.
+    assert '- "X_test.pkl" (the data_engineer\'s)' in analyst_prompt and "Test-set evaluation" in analyst_prompt
+    assert "Hard cap on this action's score\nnone\n<<<EVIDENCE-" in analyst_prompt
+    assert "no valid submission" in analyst_prompt
     assert "a missing required file is the fault of the agent that had to save" in analyst_prompt
     de_prompt = build_messages(scorer.contexts[0], DS_PIPELINE)[1]["content"]
-    assert "Test-set evaluation" not in de_prompt and "missing after the action: X_test.pkl" in de_prompt
+    assert "Test-set evaluation" not in de_prompt and 'missing after the action: "X_test.pkl"' in de_prompt
 
 
 def test_score_caps_follow_the_paper_and_the_reference_share() -> None:

@@ -44,6 +44,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`mappa serve --model tiny-random` on a free port: the same base weights the trainer builds."""
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     cmd = [sys.executable, "-m", "mappa.cli", "serve", "--model", "tiny-random", "--port", "0", "--threads", "1"]
+    cmd += ["--adapter-root", str(tmp_path_factory.getbasetemp())]  # every test's tmp_path is below it
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=_env())
     deadline = time.monotonic() + 120
     try:
@@ -252,3 +253,25 @@ def test_kill_and_resume_with_the_server_backend(server: str, tmp_path: Path) ->
     names = served_models(server)
     for agent in (p.name for p in (run_dir / "adapters").iterdir()):
         assert f"{agent}-v000003" in names and f"{agent}-v000002" not in names
+
+
+def test_served_logprobs_are_those_of_the_sampling_temperature(server: str) -> None:
+    """`mappa serve` reports the log-probs of the distribution it sampled from (as vLLM with
+    `--logprobs-mode processed_logprobs`), and the trainer's recompute at that temperature matches them."""
+    from mappa.generation import logprob_gap
+    from mappa.types import Action
+
+    policy = tiny_policy(["solver"])
+    generator = client_for(policy, server, Path("."))
+    chats = [HELLO, [Message(role="user", content="Count to three.")]]
+    try:
+        served = generator.generate(None, chats, temperature=0.7, max_new_tokens=10, seed=5)
+    finally:
+        generator.close()
+    actions = [Action.sampled("solver", 0, c, g) for c, g in zip(chats, served, strict=True)]
+    prompts, responses = [a.prompt_ids for a in actions], [a.response_ids for a in actions]
+    at_t, mask = policy.sequence_logprobs(None, prompts, responses, temperature=0.7)
+    raw, _ = policy.sequence_logprobs(None, prompts, responses)
+    assert logprob_gap(actions, at_t) < 1e-3  # same fp32 weights on both sides
+    assert logprob_gap(actions, raw) > 0.05  # what a trainer ignoring the temperature would be off by
+    assert mask.sum() == sum(len(r) for r in responses)

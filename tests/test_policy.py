@@ -75,7 +75,9 @@ def test_generation_logprobs_match_forward_logprobs_for_each_agent_and_the_refer
     perturb(policy, "coder", seed=2)
     for agent in ("solver", "coder", "verifier", None):
         gens = policy.generate(agent, convs(6), max_new_tokens=24, temperature=1.3, top_p=0.9, seed=3, batch_size=4)
-        lp, mask = policy.forward_logprobs(agent, [g.prompt_ids for g in gens], [g.response_ids for g in gens])
+        lp, mask = policy.forward_logprobs(
+            agent, [g.prompt_ids for g in gens], [g.response_ids for g in gens], temperature=1.3
+        )
         for i, g in enumerate(gens):
             assert mask[i].sum().item() == len(g.response_ids) == len(g.logprobs)
             torch.testing.assert_close(lp[i, : len(g.logprobs)], torch.tensor(g.logprobs), atol=1e-4, rtol=0)

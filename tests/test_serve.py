@@ -16,7 +16,7 @@ import torch
 from mappa.models import tiny_model_and_tokenizer
 from mappa.policy import Policy
 from mappa.serving.engine import load_policy
-from mappa.serving.server import RunningServer, create_app, served_names, start_server
+from mappa.serving.server import Limits, RunningServer, create_app, served_names, start_server
 from mappa.types import Message
 
 BASE = "tiny-random"
@@ -35,8 +35,9 @@ def policy() -> Policy:
 
 
 @pytest.fixture(scope="module")
-def server(policy: Policy) -> Iterator[RunningServer]:
-    running = start_server(create_app(policy, BASE, max_batch=8))
+def server(policy: Policy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    limits = Limits(adapter_roots=[tmp_path_factory.getbasetemp()])  # every test's tmp_path is below it
+    running = start_server(create_app(policy, BASE, max_batch=8, limits=limits))
     yield running
     running.stop()
 

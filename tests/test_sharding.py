@@ -81,7 +81,9 @@ def test_two_ranks_take_the_single_process_steps(mode: str, tmp_path: Path) -> N
     trained = policy.trainable_parameters("solver")
     assert any(not torch.equal(b, p) for b, p in zip(before, trained, strict=True))
     for p, q in zip(trained, got["weights"], strict=True):
-        torch.testing.assert_close(q, p.detach(), rtol=1e-4, atol=1e-6)
+        # Two ranks sum gradients in another order than one process; AdamW's division by sqrt(v) can carry
+        # that last-bit difference to ~1e-5 on a weight whose second moment is tiny (seen on 1 of 32,768).
+        torch.testing.assert_close(q, p.detach(), rtol=1e-4, atol=5e-5)
     want = optimizer.state_dict()["state"]
     for i, moments in got["state"]["state"].items():
         for k in ("exp_avg", "exp_avg_sq"):
@@ -92,7 +94,7 @@ def test_two_ranks_take_the_single_process_steps(mode: str, tmp_path: Path) -> N
     fresh = make_policy(mode)
     fresh.load_weights(tmp_path / "checkpoint")
     for p, q in zip(trained, fresh.trainable_parameters("solver"), strict=True):
-        torch.testing.assert_close(q, p.detach(), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(q, p.detach(), rtol=1e-4, atol=5e-5)  # the same tolerance as above
 
 
 def test_without_a_process_group_nothing_is_sharded() -> None:

@@ -170,11 +170,12 @@ def test_valid_submission_in_any_row_order_with_ids_written_as_floats(rmsle_task
         ("id,prediction\n11,1\n12,1\n13,1\n14,1\n", "missing column(s) y; unexpected column(s) prediction"),
         ("id,y,extra\n11,1,0\n12,1,0\n13,1,0\n14,1,0\n", "unexpected column(s) extra"),
         ("id,y\n11,1\n12,1\n13,1\n", "3 rows, expected 4"),
+        ("id,y\n11,1\n12,1\n13,1\n14,1\n15,1\n16,1\n", "more than 4 rows, expected 4"),  # parsing stops at 5
         ("id,y\n11,1\n11,1\n13,1\n14,1\n", "duplicate id"),
-        ("id,y\n11,1\n12,1\n13,1\n99,1\n", "1 missing (e.g. '14'), 1 unknown (e.g. '99')"),
+        ("id,y\n11,1\n12,1\n13,1\n99,1\n", "1 missing, 1 unknown (the first at row 4)"),  # never a value
         ("id,y\n11,1\n12,NaN\n13,1\n14,1\n", "1 empty or NaN"),
         ("id,y\n11,1\n12,\n13,1\n14,1\n", "1 empty or NaN"),
-        ("id,y\n11,1\n12,abc\n13,1\n14,1\n", "non-numeric value(s) in column y, e.g. 'abc'"),
+        ("id,y\n11,1\n12,abc\n13,1\n14,1\n", "1 non-numeric value(s) in column y, e.g. for id 12"),
         ("id,y\n11,1\n12,inf\n13,1\n14,1\n", "infinite"),
         ("id,y\n11,1\n12,-2\n13,1\n14,1\n", "negative prediction(s)"),
     ],

@@ -131,6 +131,25 @@ def by_agent(ep: Episode, agent: str) -> list:
 
 
 # -------------------------------------------------------------------------------------------------- the flow
+def test_code_only_inside_reasoning_is_no_tool_call(sandbox: RecordingSandbox) -> None:
+    """A reasoning model drafts code while thinking: it does not run, the action is no tool call, and the Code
+    Executor's turns end there as after any reply without code."""
+    thought = "<think>\nMaybe:\n```python\nprint(6 * 7)\n```\n</think>\nIt is 42."
+    policy = ScriptedPolicy(script(coder=[thought, py("print(1)")]))
+    before = len(sandbox.batches)
+    (ep,) = run(policy, [task()], sandbox, coder_max_turns=2)
+    (c0,) = by_agent(ep, "code_executor")
+    assert c0.exec_result is None and len(sandbox.batches) == before
+
+
+def test_code_after_reasoning_runs(sandbox: RecordingSandbox) -> None:
+    reply = "<think>\n```python\nprint('draft')\n```\n</think>\n" + py("print(6 * 7)")
+    policy = ScriptedPolicy(script(coder=[reply, "The code printed 42."]))
+    (ep,) = run(policy, [task()], sandbox)
+    c0, _ = by_agent(ep, "code_executor")
+    assert c0.exec_result is not None and c0.exec_result.stdout.strip() == "42"
+
+
 def test_code_is_executed_and_fed_back(sandbox: RecordingSandbox) -> None:
     policy = ScriptedPolicy(script(coder=[py("print(6 * 7)"), "The code printed 42."]))
     (ep,) = run(policy, [task()], sandbox)

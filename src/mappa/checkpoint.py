@@ -1,14 +1,19 @@
 """Atomic training checkpoints: weights, optimizers, RNG states, data cursor, step.
 
 Layout of one checkpoint (`RUN_DIR/checkpoints/step-000012/`):
-  policy/        Policy.save(): one adapter (or full weights) per agent + tokenizer + manifest
+  policy/        Policy.save(): one adapter (or full weights) per agent + tokenizer + manifest (safetensors, JSON)
   trainer.pt     optimizer state dicts per update group (the learning rate is a function of the step)
-  rng.pt         python, numpy, torch (CPU and CUDA) RNG states
+  rng.pt         python, numpy, torch (CPU and CUDA) RNG states, as tensors and plain numbers
   state.json     {"step": 12, "cursor": 96, ...}: readable without torch
 
-A checkpoint is written into a hidden temp directory and renamed into place, then `latest` is
-replaced atomically; a SIGKILL at any moment leaves either the previous or the new checkpoint,
-never half of one. The coach cache needs nothing here: it is SQLite and commits per judgment.
+Nothing here is read with pickle: trainer.pt and rng.pt hold only tensors, numbers, strings and containers of
+them and are read with `torch.load(weights_only=True)`, so a tampered file is refused with one line naming it
+and none of its contents runs.
+
+A checkpoint is written into a hidden temp directory, every file and directory in it fsynced, and renamed into
+place; then `latest` is replaced atomically. A SIGKILL (or a power loss) at any moment leaves either the previous
+or the new checkpoint, never half of one. The coach cache needs nothing here: it is SQLite and commits per
+judgment.
 
 Since a kill cannot leave a `step-N` directory without its state.json, one that lacks it (or a file that
 does not load) is damage, not an interrupted save: resuming then stops with one line naming the file and
@@ -19,8 +24,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle  # for its error type only: nothing is unpickled here
 import random
 import shutil
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,9 +37,17 @@ import numpy as np
 import torch
 
 from mappa.errors import MappaError
+from mappa.paths import atomic_write, fsync_path
 from mappa.tracking import RUN_LOGS, drop_lines_after
 
 KEEP_LAST = 2  # older complete checkpoints are deleted; eval and episodes live elsewhere
+RNG_FORMAT = 2  # rng.pt as tensors and numbers; before it, the states as python, numpy and torch return them
+_RECONSTRUCT = np._core.multiarray._reconstruct
+# What reading an rng.pt of the first format needs besides weights_only's own: numpy arrays of plain numbers
+# (their elements pass through the same restricted reader), under numpy 2's module name and numpy 1's.
+_LEGACY_RNG = [
+    _RECONSTRUCT, (_RECONSTRUCT, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, np.dtypes.UInt32DType,
+]  # fmt: skip
 
 
 def rng_state() -> dict[str, Any]:
@@ -65,12 +80,63 @@ def kept_rng() -> Iterator[None]:
         set_rng_state(state)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _rng_file(state: dict[str, Any]) -> dict[str, Any]:
+    """`rng_state()` as rng.pt holds it: tensors and plain numbers only, which `weights_only=True` reads."""
+    version, mt, gauss = state["python"]
+    _, key, pos, has_gauss, cached = state["numpy"]
+    out: dict[str, Any] = {
+        "format": RNG_FORMAT,
+        "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+        "numpy": {"key": torch.from_numpy(key.astype(np.int64)), "pos": pos, "has_gauss": has_gauss, "gauss": cached},
+        "torch": state["torch"],
+    }
+    if "cuda" in state:
+        out["cuda"] = list(state["cuda"])
+    return out
+
+
+def _rng_from_file(saved: Any, path: Path) -> dict[str, Any]:
+    """rng.pt's contents as `set_rng_state` takes them, checked on scratch generators first so that a malformed
+    state is one line naming the file, before anything is restored. rng.pt of mappa before RNG_FORMAT held the
+    states as they come (numpy's with an array): `_LEGACY_RNG` lets weights_only read those."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        if saved.get("format") == RNG_FORMAT:
+            py, npy = saved["python"], saved["numpy"]
+            key = npy["key"].numpy().astype(np.uint32)
+            state = {
+                "python": (py["version"], tuple(py["state"].tolist()), py["gauss"]),
+                "numpy": ("MT19937", key, npy["pos"], npy["has_gauss"], npy["gauss"]),
+                "torch": saved["torch"],
+            }
+        else:
+            state = {k: saved[k] for k in ("python", "numpy", "torch")}
+        if "cuda" in saved:
+            state["cuda"] = list(saved["cuda"])
+        random.Random().setstate(state["python"])
+        np.random.RandomState().set_state(state["numpy"])
+        torch.Generator().set_state(state["torch"])
+        if not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in state.get("cuda", [])):
+            raise TypeError("CUDA states are not byte tensors")
+    except (AttributeError, KeyError, TypeError, ValueError, RuntimeError) as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise MappaError(f"{path}: not an RNG state ({why})") from None
+    return state
+
+
+def _fsync_tree(root: Path) -> None:
+    """Every file and directory under `root`, and `root`, on disk: its rename may then publish it."""
+    for directory, _, files in os.walk(root, topdown=False):
+        for name in files:
+            fsync_path(Path(directory) / name)
+        fsync_path(directory)
+
+
+def _fsync_logs(run_dir: Path) -> None:
+    """The logs' lines of the steps a checkpoint covers reach the disk before it does: after a power loss, a
+    checkpoint never has steps whose lines were lost (a resume forgets lines after it, not before)."""
+    for name in RUN_LOGS:
+        if (run_dir / name).is_file():
+            fsync_path(run_dir / name)
 
 
 def save_checkpoint(
@@ -87,23 +153,27 @@ def save_checkpoint(
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
+    for stale in root.glob(".tmp-step-*"):  # a save or replace a kill interrupted: only this process writes here
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     policy.save(tmp / "policy")
     torch.save({"optimizers": {k: o.state_dict() for k, o in optimizers.items()}}, tmp / "trainer.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
+    torch.save(_rng_file(rng_state()), tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1), encoding="utf-8")
-    _fsync_dir(tmp)
-    if final.exists():  # a re-run of the same step after resume: replace it
-        shutil.rmtree(final)
+    _fsync_tree(tmp)
+    _fsync_logs(Path(run_dir))
+    old = None
+    if final.exists():  # a re-run of the same step after resume: moved aside first, so a kill leaves one of them
+        old = root / f".tmp-step-{step:06d}-{os.getpid()}-old"
+        os.rename(final, old)
     os.rename(tmp, final)
-    pointer = root / ".latest.tmp"
-    pointer.write_text(final.name, encoding="utf-8")
-    os.replace(pointer, root / "latest")
-    _fsync_dir(root)
-    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep] if keep else []:
+    fsync_path(root)
+    atomic_write(root / "latest", final.name)
+    if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    for done in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep] if keep else []:
+        shutil.rmtree(done, ignore_errors=True)
     return final
 
 
@@ -138,13 +208,21 @@ def resume_point(run_dir: str | Path) -> Path | None:
     return found
 
 
-def _torch_file(path: Path) -> Any:
-    """A checkpoint's torch file, or one line naming it (missing, truncated, corrupt)."""
+def _torch_file(path: Path, *, allow: list[Any] | None = None) -> Any:
+    """A checkpoint's torch file, read without pickle (`weights_only=True`: tensors and plain values, plus the
+    types in `allow`), or one line naming it (missing, truncated, corrupt, or holding anything else)."""
     if not path.is_file():
         raise MappaError(f"{path}: missing (checkpoint damaged)")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError... on damaged files
+        with warnings.catch_warnings(), torch.serialization.safe_globals(allow or []):
+            warnings.simplefilter("ignore")  # torch's notes on pickle protocols: the one line below says it all
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # what weights_only raises on random bytes, or on a pickle of other objects
+        raise MappaError(
+            f"{path}: unreadable, truncated or corrupt (holds more than tensors and plain values; not loaded, "
+            f"nothing in it ran)"
+        ) from None
+    except Exception as e:  # torch raises RuntimeError, EOFError... on damaged files
         raise MappaError(f"{path}: unreadable, truncated or corrupt ({type(e).__name__})") from None
 
 
@@ -175,7 +253,7 @@ def load_checkpoint(
     directory = Path(directory)
     state = _state_file(directory / "state.json")
     trainer = _torch_file(directory / "trainer.pt")
-    rng = _torch_file(directory / "rng.pt")
+    rng = _rng_from_file(_torch_file(directory / "rng.pt", allow=_LEGACY_RNG), directory / "rng.pt")
     saved = trainer.get("optimizers") if isinstance(trainer, dict) else None
     if not isinstance(saved, dict):
         raise MappaError(f"{directory / 'trainer.pt'}: not a trainer state (no optimizers)")

@@ -71,6 +71,11 @@ class GenerationConfig(Section):
     )
     concurrency: int = Field(32, ge=1, description="server backend: requests in flight at once.")
     timeout_s: float = Field(600.0, gt=0, description="server backend: per-request timeout.")
+    api_key_env: str = Field(
+        "MAPPA_API_KEY",
+        description="server backend: environment variable holding the server's API key, sent as "
+        "`Authorization: Bearer` when set (`mappa serve` reads MAPPA_API_KEY too; vLLM: VLLM_API_KEY).",
+    )
 
 
 class SandboxConfig(Section):
@@ -122,7 +127,8 @@ class CoachConfig(Section):
         None,
         ge=64,
         description="Coach context (prompt + reply) in tokens; evidence over it loses its oldest input messages "
-        "first (never the output). None: the local model's own context; no limit for the openai backend.",
+        "first (never the output). None: the backend's default, the local model's own context; 32768 for the "
+        "openai backend (mappa.coach.openai_backend.DEFAULT_CONTEXT_TOKENS). Every backend has a budget.",
     )
     tokenizer: str = Field(
         "",
@@ -144,6 +150,12 @@ class CoachConfig(Section):
     price_completion_per_m: float = Field(0.0, ge=0, description="USD per million completion tokens.")
 
 
+# The coach's 0-10 score times this is the reward on an action's last token (method.md section 2): the
+# published MathChat code divides by 10, the published data-science code keeps the raw score. After whitening
+# the scale only sets the KL penalty's weight against the score (10x lighter with the raw score).
+PAPER_REWARD_SCALE = {"mathchat": 0.1, "ds_pipeline": 1.0}
+
+
 class WorkflowConfig(Section):
     name: Literal["mathchat", "ds_pipeline"] = Field(
         "mathchat", description="Workflow name (see mappa.workflows.WORKFLOWS)."
@@ -153,6 +165,15 @@ class WorkflowConfig(Section):
     show_coach_feedback: bool = Field(
         False, description="Later agents see earlier agents' coach rationales (off in the published code)."
     )
+    reward_scale: float | None = Field(
+        None, gt=0, description="The coach's 0-10 score times this is the reward on an action's last token; "
+        "default: the workflow's published value (mathchat 0.1, i.e. score / 10; ds_pipeline 1.0, the raw score).",
+    )  # fmt: skip
+
+    @property
+    def score_scale(self) -> float:
+        """`reward_scale`, or the workflow's published value when it is not set."""
+        return PAPER_REWARD_SCALE[self.name] if self.reward_scale is None else self.reward_scale
 
 
 class TasksConfig(Section):
@@ -263,22 +284,33 @@ class LoggingConfig(Section):
 class AnalysisConfig(Section):
     """The alarms of `mappa report` (docs/analysis.md); read from the run's config.yaml, `--set` overrides."""
 
+    alarm_alpha: float = Field(
+        0.05, gt=0, lt=1, description="False-alarm rate of one run: shared among the run's comparisons "
+        "(Bonferroni) for each alarm, so a run with no bias and no hacking raises each at most this often.",
+    )  # fmt: skip
     bias_gap: float = Field(
-        1.0, ge=0, description="Bias alarm: a stratum's mean coach score this many points (0-10) off what the "
-        "rule-based outcome predicts, with a 95% interval that excludes 0.",
+        0.5, ge=0, description="Bias alarm: a stratum's coach score this many points (0-10) above or below the "
+        "other strata's beyond what the ground truth predicts, with a simultaneous interval that excludes 0.",
     )  # fmt: skip
     bias_drift: float = Field(
-        1.0, ge=0, description="Bias alarm: a stratum's gap moving this many points from the first half of the "
-        "steps to the second (interval excludes 0).",
+        0.5, ge=0, description="Bias alarm: that gap moving this many points from the first half of the steps "
+        "to the second (interval excludes 0).",
     )  # fmt: skip
     min_stratum_actions: int = Field(
         8, ge=2, description="Scored actions a stratum needs before it can raise an alarm."
     )
+    min_stratum_tasks: int = Field(
+        8, ge=2, description="Distinct tasks a stratum, and the rest of its split, need before it is judged."
+    )
     hacking_gap: float = Field(
-        0.1, ge=0, description="Hacking alarm: an agent's score rise over the run (score/10) minus the rule-based "
-        "accuracy rise, both on 0-1, at least this much while the scores really rise (intervals exclude 0).",
+        0.05, ge=0, description="Hacking alarm: an agent's score rise over the run beyond what its episodes' "
+        "outcomes explain (score/10, 0-1), at least this much with an interval above 0, while accuracy (held-out "
+        "where evaluated) rose less than the scores.",
     )  # fmt: skip
-    hacking_min_steps: int = Field(3, ge=2, description="Training steps with episodes the hacking alarm needs.")
+    hacking_min_steps: int = Field(
+        5, ge=3, description="Training steps with scored episodes the hacking alarm needs (a trend of fewer "
+        "points cannot be told from noise).",
+    )  # fmt: skip
     high_score: float = Field(
         7.0, ge=0, le=10, description="A final agent's score at or above this reads as 'answer right' when the "
         "coach gave no ANSWER_CORRECT verdict.",

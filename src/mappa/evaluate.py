@@ -19,8 +19,9 @@ from pathlib import Path
 from mappa.config import Config
 from mappa.errors import MappaError
 from mappa.metrics import Gain, accuracy_gain, episode_metrics
+from mappa.paths import atomic_write
 from mappa.protocols import PolicyLike, ProgressFn, Runtime, SandboxLike
-from mappa.types import Episode, Task, read_jsonl, write_jsonl
+from mappa.types import Episode, Task, read_jsonl
 
 
 def eval_tasks(cfg: Config) -> list[Task]:
@@ -65,7 +66,9 @@ def evaluate(
 def write_eval(out_dir: str | Path, tag: str, metrics: dict[str, float], episodes: Sequence[Episode]) -> None:
     """`out_dir/<tag>.jsonl` (episodes) and one line appended to `out_dir/summary.jsonl`."""
     out = Path(out_dir)
-    write_jsonl(out / f"{tag}.jsonl", list(episodes))
+    out.mkdir(parents=True, exist_ok=True)
+    # Rewritten whole when an evaluation is repeated (after a resume): a kill mid-write leaves the old file.
+    atomic_write(out / f"{tag}.jsonl", (e.model_dump_json() + "\n" for e in episodes))
     with (out / "summary.jsonl").open("a", encoding="utf-8") as f:
         f.write(json.dumps({"tag": tag, **metrics}) + "\n")
 

@@ -12,10 +12,13 @@ call always runs with the named agent's weights. Every adapter's parameters keep
 `requires_grad=True` (peft would flip them on every switch); only the active adapter takes part in
 a forward, so a backward pass reaches that agent's weights alone.
 
-Logprobs returned by `generate` are computed from the raw logits (temperature 1, before top-p):
-they are the policy's own log-probabilities, which is what PPO's importance ratio needs, and they
-match `forward_logprobs` on the same tokens. Generation and `forward_logprobs` use the same layout
-(left-padded prompts, explicit position ids), so the two agree to float32 rounding.
+Logprobs returned by `generate` are those of the distribution the tokens were drawn from: the logits
+divided by the sampling temperature (`scaled_logits`; before top-p, whose truncation is left out as in
+TRL and verl). `forward_logprobs(..., temperature=T)` computes the same thing for the update, so PPO's
+ratio, the KL term and the stored old log-probs all refer to the sampled distribution. Temperature 0
+(greedy) has no distribution of its own: its log-probs are the raw logits'. Generation and
+`forward_logprobs` use the same layout (left-padded prompts, explicit position ids), so the two agree to
+float32 rounding.
 
 `generate` is a plain batched loop (unpadded prefill, finished rows leave the batch). Continuous
 batching, KV layers with reserved room and the prefix cache are serving concerns: `mappa.serving`
@@ -55,7 +58,7 @@ class Generation:
 
     prompt_ids: tuple[int, ...]  # (P,) chat-templated prompt
     response_ids: tuple[int, ...]  # (T,) sampled tokens, EOS included when generated
-    logprobs: tuple[float, ...]  # (T,) log pi(a_t | s) under the policy itself (temperature-1 logits)
+    logprobs: tuple[float, ...]  # (T,) log pi(a_t | s) at the sampling temperature (`scaled_logits`)
     text: str  # decoded response without special tokens
     truncated: bool  # hit max_new_tokens without EOS
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None  # (T, k) (token_id, logprob) when asked
@@ -327,11 +330,17 @@ class Policy:
     # Logprobs for training
 
     def forward_logprobs(
-        self, agent: str | None, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]
+        self,
+        agent: str | None,
+        prompt_ids: Sequence[Sequence[int]],
+        response_ids: Sequence[Sequence[int]],
+        *,
+        temperature: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log pi(response | prompt) for one micro-batch: (logp (B, T), mask (B, T)), right-padded
         over responses (padded entries are 0 with mask False). Differentiable w.r.t. the agent's weights
-        when grad is enabled; the reference (None) never builds a graph.
+        when grad is enabled; the reference (None) never builds a graph. `temperature`: the one the
+        responses were sampled at (`scaled_logits`), so these are the log-probs `generate` reported.
 
         Layout: prompts left-padded to a common length so every response starts at the same column,
         which lets the LM head run on response positions only (logits_to_keep) instead of the prompt.
@@ -368,7 +377,7 @@ class Policy:
             finally:
                 if train_mode:
                     module.eval()
-        logits = logits.float()  # (B, T, V)
+        logits = scaled_logits(logits.float(), temperature)  # (B, T, V)
         targets = input_ids[:, P:]
         logp = logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
         return logp * mask, mask
@@ -381,6 +390,7 @@ class Policy:
         response_ids: Sequence[Sequence[int]],
         *,
         micro_batch_size: int = 8,
+        temperature: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward_logprobs` without gradients over any number of sequences, `micro_batch_size` at a time
         (grouped by length to cut padding). Returns (logp (N, T), mask (N, T)) in input order."""
@@ -391,7 +401,9 @@ class Policy:
         order = sorted(range(N), key=lambda i: len(prompt_ids[i]) + len(response_ids[i]))
         for start in range(0, N, micro_batch_size):
             idx = order[start : start + micro_batch_size]
-            lp, m = self.forward_logprobs(agent, [prompt_ids[i] for i in idx], [response_ids[i] for i in idx])
+            lp, m = self.forward_logprobs(
+                agent, [prompt_ids[i] for i in idx], [response_ids[i] for i in idx], temperature=temperature
+            )
             rows = torch.tensor(idx, device=self.device)
             logp[rows, : lp.shape[1]] = lp
             mask[rows, : m.shape[1]] = m
@@ -549,9 +561,10 @@ def sample_step(
     """Sample one token for each row from its (B, V) float32 logits and record it in the row.
 
     Returns (the sampled tokens (B,), `(key, Generation)` of the rows that finished with this token (EOS or
-    their own cap), indices of the rows still running). Logprobs come from the raw logits (temperature 1).
+    their own cap), indices of the rows still running). Logprobs (the sampled token's and the top ones) are
+    those of the distribution sampled from: the logits at the sampling temperature (`scaled_logits`).
     """
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(scaled_logits(logits, sampling.temperature), dim=-1)
     tok = _sample(logits, sampling.temperature, sampling.top_p, sampling.generator)
     tok_lp = logp.gather(1, tok[:, None]).squeeze(1)
     k = min(max(r.top_k for r in rows), logp.shape[-1])
@@ -697,6 +710,13 @@ def _wrap_lora(model: torch.nn.Module, adapters: list[str], lora: dict) -> torch
         p.requires_grad_(".lora_" in n)
     peft_model.eval()
     return peft_model
+
+
+def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits of the distribution sampled at `temperature`: divided by it (as TRL and verl do for the loss),
+    so log_softmax of the result is log pi_T. Temperature 0 (greedy) samples from no distribution: the raw
+    logits stand in, which keeps the log-probs finite."""
+    return logits / temperature if temperature > 0 and temperature != 1.0 else logits
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> torch.Tensor:

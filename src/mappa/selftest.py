@@ -4,8 +4,9 @@ before it costs hours. Each failure raises MappaError with its own one-line reas
 1. Each agent generates with its own trainable weights. Outside `shared` mode no two agents may hold the same
    trainable tensors (aliased adapters). Each agent's trainable parameters are perturbed (and restored), and
    (a) its log-probs of a fixed sequence must move (the adapter is in the forward pass), (b) no other agent's
-   may move, (c) a fresh sample must report log-probs equal to `forward_logprobs` under that agent (so PPO's
-   old_logp and the update see the same policy), not the base model's.
+   may move, (c) a fresh sample at the sampling temperature must report log-probs equal to `forward_logprobs`
+   under that agent at that temperature (so PPO's old_logp and the update see the same distribution), not
+   the base model's. A temperature other than 1 also catches log-probs taken from the raw logits.
 2. The code tool is reached: `print(6 * 7)` runs in the sandbox and prints 42.
 3. The coach answers (an endpoint that is down or refuses is its own error) and its reply parses into a score.
 """
@@ -22,6 +23,9 @@ from mappa.errors import MappaError
 from mappa.types import CoachContext, Message
 
 _PROBE = [Message(role="user", content="What is 2 + 3? Put the answer in \\boxed{}.")]
+# When the caller does not name the run's temperature: any value but 1 (where scaled and raw logits agree)
+# and 0 (greedy, raw logits) checks that generation and the forward pass divide by the same temperature.
+PROBE_TEMPERATURE = 0.7
 
 
 def _perturb(params: Sequence[torch.nn.Parameter], seed: int) -> list[torch.Tensor]:
@@ -67,13 +71,14 @@ def _groups(policy: Any, agents: Sequence[str]) -> dict[int, str]:
     return groups
 
 
-def _check_generation(policy: Any, agent: str, seed: int) -> None:
-    """Check 1c, with the agent's weights perturbed: generate's log-probs are the agent's, not the base's."""
-    gen = policy.generate(agent, [_PROBE], max_new_tokens=8, temperature=1.0, seed=seed)[0]
+def _check_generation(policy: Any, agent: str, seed: int, temperature: float) -> None:
+    """Check 1c, with the agent's weights perturbed: generate's log-probs are the agent's at `temperature`,
+    not the base's, and not those of another temperature."""
+    gen = policy.generate(agent, [_PROBE], max_new_tokens=8, temperature=temperature, seed=seed)[0]
     if not gen.response_ids:
         raise MappaError(f"self-test: agent {agent!r} generated no tokens")
-    own, m = policy.forward_logprobs(agent, [gen.prompt_ids], [gen.response_ids])
-    ref, _ = policy.forward_logprobs(None, [gen.prompt_ids], [gen.response_ids])
+    own, m = policy.forward_logprobs(agent, [gen.prompt_ids], [gen.response_ids], temperature=temperature)
+    ref, _ = policy.forward_logprobs(None, [gen.prompt_ids], [gen.response_ids], temperature=temperature)
     reported = torch.tensor(gen.logprobs, dtype=own.dtype, device=own.device)[None]
     # bf16 kernels differ between the batched generate and the forward pass; fp32 agrees closely
     tol = 0.05 if own.dtype == torch.float32 else 0.25
@@ -82,13 +87,16 @@ def _check_generation(policy: Any, agent: str, seed: int) -> None:
         raise MappaError(f"self-test: agent {agent!r} generates with the base weights, not its own")
     if gap_own > tol:
         raise MappaError(
-            f"self-test: agent {agent!r}: generate's log-probs differ from the forward pass by {gap_own:.3f} "
-            "nats/token (generation does not use the agent's weights, or reports misaligned log-probs)"
+            f"self-test: agent {agent!r}: generate's log-probs differ from the forward pass at temperature "
+            f"{temperature:g} by {gap_own:.3f} nats/token (generation does not use the agent's weights, or "
+            "reports log-probs misaligned or of another temperature)"
         )
 
 
-def check_agents(policy: Any, agents: Sequence[str], seed: int = 0) -> list[str]:
-    """Check 1 for every update group; returns one line per agent checked."""
+def check_agents(
+    policy: Any, agents: Sequence[str], seed: int = 0, temperature: float = PROBE_TEMPERATURE
+) -> list[str]:
+    """Check 1 for every update group, sampling at `temperature` (the run's); returns one line per agent."""
     prompt = policy.chat_ids(_PROBE)
     fixed = prompt[-8:]  # any token sequence works as the probe response
     lines = []
@@ -112,7 +120,7 @@ def check_agents(policy: Any, agents: Sequence[str], seed: int = 0) -> list[str]
                     same_group = id(policy.trainable_parameters(other)[0]) == key
                     if not same_group and _mean_abs(after[other][0], before[other], mask) > 1e-6:
                         raise MappaError(f"self-test: agent {other!r} changed when only {agent!r}'s weights did")
-                _check_generation(policy, agent, seed)
+                _check_generation(policy, agent, seed, temperature if temperature > 0 else PROBE_TEMPERATURE)
         finally:
             _restore(params, backups)
         lines.append(f"agent {agent}: own trainable weights in forward and generate (|dlogp| {moved:.3f})")
@@ -157,9 +165,13 @@ def check_coach(score_many: Any, workflow_name: str, agent: str) -> str:
     return f"coach: reply parsed, score {score.score:g} for a correct trivial answer"
 
 
-def run_self_test(policy: Any, agents: Sequence[str], sandbox: Any, score_many: Any, workflow_name: str) -> list[str]:
-    """All three checks; raises MappaError on the first failure, else returns a line per check."""
-    lines = check_agents(policy, agents)
+def run_self_test(
+    policy: Any, agents: Sequence[str], sandbox: Any, score_many: Any, workflow_name: str,
+    temperature: float = PROBE_TEMPERATURE,
+) -> list[str]:  # fmt: skip
+    """All three checks; raises MappaError on the first failure, else returns a line per check. `temperature`:
+    the run's `generation.temperature`, which check 1 samples at."""
+    lines = check_agents(policy, agents, temperature=temperature)
     lines.append(check_sandbox(sandbox))
     lines.append(check_coach(score_many, workflow_name, agents[-1]))
     return lines

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from typing import Any
 
 from mappa.config import Config, dump_config
 from mappa.errors import MappaError
+from mappa.paths import atomic_write
 from mappa.types import Episode
 
 VERSIONED = ("mappa-rl", "torch", "transformers", "peft", "pydantic", "openai", "math-verify", "numpy")
@@ -123,33 +125,67 @@ def _versions() -> dict[str, str]:
     return out
 
 
+RUN_FILES = ("checkpoints", "run.json", "metrics.jsonl", "episodes.jsonl")  # any of them: the directory holds a run
+
+
+def _claim(run_dir: Path) -> bool:
+    """Take `run_dir` for a new run, or False when it is taken. Race-free: a directory is created (or, when it is
+    there and empty of run files, its run.json) exclusively, so of two runs reaching for one name only one
+    gets it. A run killed before its first checkpoint has logs but no checkpoints: never taken either."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(run_dir)
+    except FileExistsError:
+        if not run_dir.is_dir() or any((run_dir / name).exists() for name in RUN_FILES):
+            return False
+    try:
+        os.close(os.open(run_dir / "run.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    except FileExistsError:
+        return False
+    return True
+
+
 def new_run_dir(cfg: Config) -> Path:
-    """A fresh run directory with config.yaml and run.json; an existing run there is an error."""
+    """A fresh run directory with config.yaml and run.json. When the name has a {time} in it, a directory that
+    another run already took (two started within the same second) gets a suffix: -2, -3, ...; a name without
+    {time} names one directory, and a run already there is an error."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(cfg.run_dir.format(name=cfg.name, time=stamp))
-    # A run killed before its first checkpoint has logs but no checkpoints: never write over those either.
-    if any((run_dir / name).exists() for name in ("checkpoints", "run.json", "metrics.jsonl", "episodes.jsonl")):
-        raise MappaError(f"run_dir {run_dir} already holds a run; use --resume {run_dir} or another run_dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg), encoding="utf-8")
+    n = 1
+    while not _claim(run_dir if n == 1 else run_dir.with_name(f"{run_dir.name}-{n}")):
+        if "{time}" not in cfg.run_dir:
+            raise MappaError(f"run_dir {run_dir} already holds a run; use --resume {run_dir} or another run_dir")
+        n += 1
+    run_dir = run_dir if n == 1 else run_dir.with_name(f"{run_dir.name}-{n}")
+    atomic_write(run_dir / "config.yaml", dump_config(cfg))
     meta = {"git_commit": _git_commit(), "versions": _versions(), "argv": sys.argv, "started": stamp}
-    (run_dir / "run.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    atomic_write(run_dir / "run.json", json.dumps(meta, indent=1))
     return run_dir
 
 
 def drop_lines_after(path: Path, step: int) -> None:
-    """Forget log lines of steps after `step` (the step a kill interrupted runs again after resume)."""
+    """Forget log lines of steps after `step` (the step a kill interrupted runs again after resume), and a torn
+    last line (a later append would be glued to it). The file is replaced whole (`atomic_write`): a kill during
+    the rewrite leaves the old file, so a resume interrupted here loses no history."""
     if not path.is_file():
         return
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")  # not splitlines(): that would also cut a line at a U+2028 in a model's text
+    if lines[-1] == "":
+        lines.pop()
     keep = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in lines:
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a torn last line
-        if row.get("step", row.get("meta", {}).get("step", 0)) <= step:
+        if isinstance(row, dict) and row.get("step", row.get("meta", {}).get("step", 0)) <= step:
             keep.append(line)
-    path.write_text("".join(k + "\n" for k in keep), encoding="utf-8")
+    if len(keep) == len(lines) and (not text or text.endswith("\n")):
+        return  # nothing to forget: a large episodes.jsonl is not copied for nothing
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a resume killed mid-rewrite
+        stale.unlink(missing_ok=True)
+    atomic_write(path, (k + "\n" for k in keep))
 
 
 def append_episodes(path: Path, episodes: Sequence[Episode], step: int) -> None:

@@ -27,7 +27,8 @@ is one step, `train()` is the loop. One step:
 Where this departs from the paper / published code:
   - the coach's score is by default its expected score (probability-weighted over the score tokens, when
     the backend returns log-probs; `coach.expected_score: false` reads the sampled number);
-  - scores are divided by 10 for every workflow (the published code skipped it for data science);
+  - none in the reward scale: `workflow.reward_scale` is the paper's per workflow (MathChat's scores / 10, the
+    data-science team's raw 0-10), and log-probs are those of the distribution sampled from (temperature);
   - an action's state is its full multi-turn context, not an earlier fragment;
   - unscored actions are dropped rather than given a first-number-in-text or 5.0 fallback;
   - actions whose tool call failed for infrastructure reasons are dropped, not blamed;
@@ -53,6 +54,7 @@ from mappa.errors import MappaError
 from mappa.evaluate import eval_gain, eval_tasks, evaluate, gain_metrics, write_eval
 from mappa.generation import adapter_root, build_generator, close_generator, step_sync
 from mappa.metrics import Gain, episode_metrics
+from mappa.paths import atomic_write
 from mappa.protocols import ProgressFn, Runtime, Workflow
 from mappa.rewards import RewardMode, per_action_scores, reward_mode, select_actions
 from mappa.rollout import pick_tasks, train_tasks
@@ -283,12 +285,14 @@ def train(
                 lines = (  # with Ray on a rollout worker: its policy copy, sandbox and coach
                     run.cluster.self_test()
                     if run.cluster is not None
-                    else run_self_test(run.policy, agents, run.sandbox, run.coach.score_many, name)
+                    else run_self_test(
+                        run.policy, agents, run.sandbox, run.coach.score_many, name, cfg.generation.temperature
+                    )
                 )
                 for line in lines:
                     run.emit(Event("note", run.step, f"self-test ok: {line}"))
         if resume:  # a resume's --set overrides are kept once its checkpoint loaded and the self-test passed
-            (run_dir / "config.yaml").write_text(dump_config(cfg), encoding="utf-8")
+            atomic_write(run_dir / "config.yaml", dump_config(cfg))  # a kill here leaves the old one whole
         if run.step == 0:
             run_eval(run, "start")
         while run.step < cfg.train.steps:

@@ -7,6 +7,9 @@ advantages are whitened once over the group's whole batch, then the batch is shu
 `train.mini_batch_size` actions, each one optimizer step, split into micro-batches for memory. The math
 lives in `mappa.rl`; this module holds the weights' side of it and is what a trainer (this process, or a
 trainer actor with --ray) runs.
+
+Every log-prob here (reference, rollout-time, current) is taken at `generation.temperature`, the
+distribution the actions were sampled from (`mappa.policy.scaled_logits`), as generation reports them.
 """
 
 from __future__ import annotations
@@ -49,7 +52,10 @@ def _optimizer_step(
     with torch.enable_grad():
         for rows, share in mine:
             logp, m = policy.forward_logprobs(
-                actions[0].agent, [actions[i].prompt_ids for i in rows], [actions[i].response_ids for i in rows]
+                actions[0].agent,
+                [actions[i].prompt_ids for i in rows],
+                [actions[i].response_ids for i in rows],
+                temperature=cfg.generation.temperature,
             )
             sel, width = torch.tensor(rows, device=old_logp.device), m.shape[1]
             loss, stats = rl.clipped_pg_loss(
@@ -74,19 +80,22 @@ def _optimizer_step(
 
 
 def _logprobs(
-    policy: Any, agent: str | None, prompts: list[Sequence[int]], responses: list[Sequence[int]], micro: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`Policy.sequence_logprobs` over the batch. Sharded, each rank computes every world-th row (with idle
-    passes to make as many forward passes as the busiest rank) and the ranks' rows are summed into one."""
+    policy: Any, agent: str | None, prompts: list[Sequence[int]], responses: list[Sequence[int]], micro: int,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`Policy.sequence_logprobs` at the sampling `temperature` over the batch. Sharded, each rank computes
+    every world-th row (with idle passes to make as many forward passes as the busiest rank) and the ranks'
+    rows are summed into one."""
     rank, world = sharding.rank_world()
     if world == 1:
-        return policy.sequence_logprobs(agent, prompts, responses, micro_batch_size=micro)
+        return policy.sequence_logprobs(agent, prompts, responses, micro_batch_size=micro, temperature=temperature)
     rows = sharding.shares(len(prompts), world, rank)
     lp, m = policy.sequence_logprobs(
-        agent, [prompts[i] for i in rows], [responses[i] for i in rows], micro_batch_size=micro
-    )
+        agent, [prompts[i] for i in rows], [responses[i] for i in rows], micro_batch_size=micro,
+        temperature=temperature,
+    )  # fmt: skip
     for _ in range(sharding.passes(sharding.passes(len(prompts), world), micro) - sharding.passes(len(rows), micro)):
-        policy.sequence_logprobs(agent, prompts[:1], responses[:1])
+        policy.sequence_logprobs(agent, prompts[:1], responses[:1], temperature=temperature)
     width = max(len(r) for r in responses)
     logp = torch.zeros(len(prompts), width, device=lp.device)
     mask = torch.zeros(len(prompts), width, device=lp.device)
@@ -110,17 +119,20 @@ def update_group(
     `lr(f)`: the learning rate of the optimizer step that ends at fraction `f` of this update (None: leave
     the optimizer's). `on_step(stats)` after each optimizer step (loss, grad_norm, clip_frac, ratio_mean, ...).
     """
-    t = cfg.train
+    t, temp = cfg.train, cfg.generation.temperature
     prompts, responses = [a.prompt_ids for a in actions], [a.response_ids for a in actions]
     # Both before the first optimizer step: the reference, and the rollout-time policy every ratio is against.
-    ref_logp, mask = _logprobs(policy, None, prompts, responses, t.micro_batch_size)
+    # All at the sampling temperature: the ratio and the KL must refer to the distribution the tokens came from.
+    ref_logp, mask = _logprobs(policy, None, prompts, responses, t.micro_batch_size, temp)
     mask, ref_logp = mask.float(), ref_logp.float()
     if t.recompute_old_logprobs or cfg.generation.backend == "server":  # a server: other kernels, maybe dtype
-        old_logp = _logprobs(policy, actions[0].agent, prompts, responses, t.micro_batch_size)[0].float()
+        old_logp = _logprobs(policy, actions[0].agent, prompts, responses, t.micro_batch_size, temp)[0].float()
     else:
         rows = [torch.tensor(a.logprobs, dtype=torch.float32) for a in actions]
         old_logp = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(mask.device)
-    score_t = torch.tensor(scores, dtype=torch.float32, device=mask.device) / 10.0  # reward scale: every workflow
+    # the coach's 0-10 score at the workflow's scale (score / 10 for MathChat, raw for data science)
+    scale = cfg.workflow.score_scale  # scaled in float64, then rounded once: score / 10 as it always was
+    score_t = torch.tensor([s * scale for s in scores], dtype=torch.float32, device=mask.device)
     adv = rl.reinforce_pp_advantages(score_t, old_logp, ref_logp, mask, t.kl_coef, t.gamma)  # whitened once
     batches = rl.minibatches(len(actions), t.mini_batch_size, t.epochs, seed)
     steps = []

@@ -1,11 +1,17 @@
 """The coach-bias monitor and the coach against the rule-based check.
 
 Bias monitor: a coach that favours one kind of task (the paper's coach scored regression work 0.5-1.8 points
-above classification) pushes the agents toward it. For each agent the rule-based outcome predicts a score:
-the agent's mean coach score over all episodes with the same outcome (right or wrong). A stratum's *gap* is
-its mean of (score - predicted): how much more (or less) the coach gives that stratum than its outcomes
-explain. It raises an alarm when the gap is at least `analysis.bias_gap` points with a 95% interval that
-excludes 0, or when it moves by `analysis.bias_drift` from the first half of the steps to the second.
+above classification) pushes the agents toward it. For each agent, a least-squares model predicts every score
+from the richest ground truth the run has (the rule-based outcome; in data-science runs also the submission's
+normalised test score) and the training step (so a change common to every task, the agents improving, is
+explained). A stratum's *gap* is its mean of (score - predicted) minus that of the other strata of the same
+split: how much more the coach gives it than its outcomes explain, compared with the rest. Its *drift* is the
+gap in the second half of the steps minus the first half.
+
+Intervals are cluster-robust over tasks (the actions of an episode share its task and outcome; a task may be
+played in several episodes) with t quantiles, and simultaneous over the run's comparisons (Bonferroni), so
+`analysis.alarm_alpha` is the false-alarm rate of a whole run. A stratum without enough tasks is not judged:
+its row says what it needs.
 
 Coach vs ground truth: the final agent's verdict (its `ANSWER_CORRECT`, else a score at or above
 `analysis.high_score`) against `Episode.correct`, as a confusion table and an agreement rate per step.
@@ -13,18 +19,27 @@ Coach vs ground truth: the final agent's verdict (its `ANSWER_CORRECT`, else a s
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from mappa.analysis.runs import STRATA, final_agent, score_of, scored_actions, step_of, stratum
+from mappa.analysis.stats import (
+    NAN_ESTIMATE,
+    Estimate,
+    clustered_contrast,
+    clustered_mean,
+    excludes_zero,
+    least_squares_residuals,
+)
 from mappa.config import AnalysisConfig
-from mappa.metrics import difference_interval, mean_interval, wilson_interval
+from mappa.metrics import wilson_interval
 from mappa.types import Episode
 
-Estimate = tuple[float, tuple[float, float]]  # value, 95% interval
+DRIFT_MIN_STEPS = 4  # two steps per half at least, so each half has a trend-free mean of its own
 
 
 @dataclass(frozen=True)
@@ -34,80 +49,186 @@ class StratumBias:
     stratum: str
     n: int  # scored actions
     mean_score: float
-    predicted: float  # mean of the outcome-predicted scores of the same actions
-    gap: Estimate  # mean(score - predicted), points on 0-10
+    predicted: float  # mean predicted score of the same actions (from outcome, test score and step)
+    gap: Estimate  # mean(score - predicted) here minus in the other strata, points on 0-10
     drift: Estimate | None  # gap in the second half of the steps minus the first half
     alarm: str | None  # why it is flagged, else None
+    tasks: int = 0  # distinct tasks (the clusters)
+    judged: str | None = None  # None when judged; else what it lacks ("too little data to judge (needs ...)")
 
 
-def _predictions(rows: list[tuple[str, bool, float]]) -> dict[tuple[str, bool], float]:
-    """Mean score per (agent, outcome): what the rule-based outcome alone predicts."""
-    acc: dict[tuple[str, bool], list[float]] = defaultdict(list)
-    for agent, correct, score in rows:
-        acc[(agent, correct)].append(score)
-    return {k: sum(v) / len(v) for k, v in acc.items()}
+@dataclass
+class ActionTable:
+    """The scored actions of a run as arrays (one entry per action), what the bias statistics read."""
+
+    agent: list[str] = field(default_factory=list)
+    score: list[float] = field(default_factory=list)
+    correct: list[float] = field(default_factory=list)
+    quality: list[float] = field(default_factory=list)  # normalised test score; NaN when the run has none
+    step: list[int] = field(default_factory=list)
+    task: list[str] = field(default_factory=list)
+    strata: dict[str, list[str | None]] = field(default_factory=lambda: {d: [] for d in STRATA})
 
 
-def _alarm(est: StratumBias, th: AnalysisConfig) -> str | None:
-    if est.n < th.min_stratum_actions:
+def quality_of(episode: Episode) -> float:
+    """The richest ground truth beyond right/wrong: a data-science submission's share of the reference model's
+    gain over a trivial prediction (clipped to [-1, 1.5] so one broken metric cannot dominate; 0 for an invalid
+    submission); NaN where the workflow records none."""
+    sub = episode.meta.get("submission")
+    if not isinstance(sub, dict):
+        return float("nan")
+    frac = sub.get("reference_fraction")
+    if not sub.get("valid") or not isinstance(frac, int | float) or not math.isfinite(frac):
+        return 0.0
+    return float(min(1.5, max(-1.0, frac)))
+
+
+def action_table(episodes: Sequence[Episode]) -> ActionTable:
+    t = ActionTable()
+    for e, a, s in scored_actions(episodes):
+        if e.correct is None:
+            continue
+        t.agent.append(a.agent)
+        t.score.append(s)
+        t.correct.append(float(bool(e.correct)))
+        t.quality.append(quality_of(e))
+        t.step.append(step_of(e))
+        t.task.append(e.task.id)
+        for dim in STRATA:
+            t.strata[dim].append(stratum(e.task, dim))
+    return t
+
+
+def truth_design(correct: np.ndarray, quality: np.ndarray, steps: np.ndarray | None) -> np.ndarray:
+    """Columns that predict a score: intercept, outcome, normalised test score (when the run has one) and, with
+    `steps`, one indicator per step (a change common to all tasks is not a bias)."""
+    cols = [np.ones_like(correct), correct]
+    if np.isfinite(quality).any():
+        cols.append(np.nan_to_num(quality, nan=0.0))
+    if steps is not None:
+        cols += [(steps == s).astype(float) for s in np.unique(steps)[1:]]
+    return np.column_stack(cols)
+
+
+def _needs(tasks_in: int, tasks_out: int, actions: int, th: AnalysisConfig) -> str | None:
+    if tasks_in >= th.min_stratum_tasks and tasks_out >= th.min_stratum_tasks and actions >= th.min_stratum_actions:
         return None
-    gap, (lo, hi) = est.gap
-    if abs(gap) >= th.bias_gap and (lo > 0 or hi < 0):
-        return f"scored {gap:+.2f} points vs its outcomes, 95% CI [{lo:+.2f}, {hi:+.2f}] (threshold {th.bias_gap:g})"
-    if est.drift is not None:
-        d, (dlo, dhi) = est.drift
-        if abs(d) >= th.bias_drift and (dlo > 0 or dhi < 0):
-            return f"gap drifted {d:+.2f} points over training, 95% CI [{dlo:+.2f}, {dhi:+.2f}]"
+    return (
+        f"too little data to judge (needs {th.min_stratum_tasks} tasks here and in the other strata and "
+        f"{th.min_stratum_actions} scored actions; has {tasks_in}, {tasks_out} and {actions})"
+    )
+
+
+def _drift_groups(inside: np.ndarray, steps: np.ndarray, tasks: np.ndarray, th: AnalysisConfig) -> np.ndarray | None:
+    """0/1/2/3 = inside-early, inside-late, outside-early, outside-late; None when a cell lacks tasks."""
+    uniq = np.unique(steps)
+    if len(uniq) < DRIFT_MIN_STEPS:
+        return None
+    late = steps > uniq[(len(uniq) - 1) // 2]
+    groups = np.where(inside, 0, 2) + late.astype(int)
+    need = max(2, th.min_stratum_tasks // 2)
+    if any(len(np.unique(tasks[groups == g])) < need for g in range(4)):
+        return None
+    return groups
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    agent: str
+    dimension: str
+    stratum: str
+    rows: np.ndarray  # indices into the table of this agent's actions in this split
+    inside: np.ndarray  # bool per row: in the stratum
+    judged: str | None
+    drift_groups: np.ndarray | None
+
+
+def _candidates(t: ActionTable, arrays: dict[str, np.ndarray], th: AnalysisConfig) -> list[_Candidate]:
+    """Every (agent, split, stratum) of a split with two strata or more, with what it can be judged on."""
+    out = []
+    agents = np.asarray(t.agent, dtype=object)
+    for agent in dict.fromkeys(t.agent):
+        for dim in STRATA:
+            values = np.asarray(t.strata[dim], dtype=object)
+            rows = np.flatnonzero((agents == agent) & (values != None))  # noqa: E711 - elementwise
+            strata = sorted({str(v) for v in values[rows]})
+            if len(strata) < 2:
+                continue
+            tasks, steps = arrays["task"][rows], arrays["step"][rows]
+            for value in strata:
+                inside = values[rows] == value
+                judged = _needs(len(np.unique(tasks[inside])), len(np.unique(tasks[~inside])), int(inside.sum()), th)
+                groups = _drift_groups(inside, steps, tasks, th) if judged is None else None
+                out.append(_Candidate(agent, dim, value, rows, inside, judged, groups))
+    return out
+
+
+def _alarm(gap: Estimate, drift: Estimate | None, th: AnalysisConfig, level: float) -> str | None:
+    pct = f"{100 * (1 - level):.2f}".rstrip("0").rstrip(".")
+    g, (lo, hi) = gap
+    if abs(g) >= th.bias_gap and excludes_zero(gap):
+        return (
+            f"scored {g:+.2f} points vs the other strata beyond what outcomes explain, {pct}% CI [{lo:+.2f}, "
+            f"{hi:+.2f}] (threshold {th.bias_gap:g})"
+        )
+    if drift is not None and abs(drift[0]) >= th.bias_drift and excludes_zero(drift):
+        d, (dlo, dhi) = drift
+        return f"gap vs the other strata drifted {d:+.2f} points over training, {pct}% CI [{dlo:+.2f}, {dhi:+.2f}]"
     return None
 
 
-def _drift(items: list[tuple[int, float]]) -> Estimate | None:
-    """Late-half mean residual minus early-half (split at the median step); None without both halves."""
-    steps = sorted({s for s, _ in items})
-    if len(steps) < 2:
-        return None
-    cut = steps[(len(steps) - 1) // 2]
-    early, late = [r for s, r in items if s <= cut], [r for s, r in items if s > cut]
-    if len(early) < 2 or len(late) < 2:
-        return None
-    return difference_interval(mean_interval(early), mean_interval(late))
+def bias_rows(t: ActionTable, th: AnalysisConfig) -> list[StratumBias]:
+    """The bias monitor on a table of scored actions (pure: arrays in, rows out)."""
+    if not t.score:
+        return []
+    agents = np.asarray(t.agent, dtype=object)
+    score = np.asarray(t.score, dtype=float)
+    arrays = {"step": np.asarray(t.step), "task": np.unique(np.asarray(t.task), return_inverse=True)[1]}
+    predicted = np.empty_like(score)
+    for agent in set(t.agent):
+        m = agents == agent
+        design = truth_design(np.asarray(t.correct)[m], np.asarray(t.quality)[m], arrays["step"][m])
+        predicted[m] = least_squares_residuals(score[m], design)[0]
+    resid = score - predicted
+    cands = sorted(_candidates(t, arrays, th), key=lambda c: (c.agent, c.dimension, c.stratum))
+    tests = sum((c.judged is None) + (c.drift_groups is not None) for c in cands)
+    level = th.alarm_alpha / max(tests, 1)
+    out = []
+    for c in cands:
+        r, tasks = resid[c.rows], arrays["task"][c.rows]
+        gap, drift = NAN_ESTIMATE, None
+        if c.judged is None:
+            gap = clustered_contrast(r, (~c.inside).astype(int), (1.0, -1.0), tasks, level)[0]
+        if c.drift_groups is not None:
+            drift = clustered_contrast(r, c.drift_groups, (-1.0, 1.0, 1.0, -1.0), tasks, level)[0]
+        inside = c.rows[c.inside]
+        out.append(
+            StratumBias(
+                agent=c.agent, dimension=c.dimension, stratum=c.stratum, n=len(inside),
+                mean_score=float(score[inside].mean()), predicted=float(score[inside].mean() - resid[inside].mean()),
+                gap=gap, drift=drift, alarm=_alarm(gap, drift, th, level) if c.judged is None else None,
+                tasks=len(np.unique(arrays["task"][inside])), judged=c.judged,
+            )
+        )  # fmt: skip
+    return out
 
 
 def bias_monitor(episodes: Sequence[Episode], th: AnalysisConfig) -> list[StratumBias]:
-    """One row per (agent, dimension, stratum) present; only dimensions with two strata or more can be biased."""
-    rows = [(e, a, s) for e, a, s in scored_actions(episodes) if e.correct is not None]
-    predict = _predictions([(a.agent, bool(e.correct), s) for e, a, s in rows])
-    groups: dict[tuple[str, str, str], list[tuple[int, float, float]]] = defaultdict(list)
-    for e, a, s in rows:
-        for dim in STRATA:
-            value = stratum(e.task, dim)
-            if value is not None:
-                groups[(a.agent, dim, value)].append((step_of(e), s, predict[(a.agent, bool(e.correct))]))
-    per_dim: dict[tuple[str, str], int] = defaultdict(int)
-    for agent, dim, _ in groups:
-        per_dim[(agent, dim)] += 1
-    out = []
-    for (agent, dim, value), items in sorted(groups.items()):
-        resid = [s - p for _, s, p in items]
-        est = StratumBias(
-            agent=agent, dimension=dim, stratum=value, n=len(items),
-            mean_score=sum(s for _, s, _ in items) / len(items), predicted=sum(p for *_, p in items) / len(items),
-            gap=mean_interval(resid), drift=_drift([(st, s - p) for st, s, p in items]), alarm=None,
-        )  # fmt: skip
-        if per_dim[(agent, dim)] >= 2:
-            est = dataclasses.replace(est, alarm=_alarm(est, th))
-        out.append(est)
-    return out
+    """One row per (agent, dimension, stratum) in splits with two strata or more."""
+    return bias_rows(action_table(episodes), th)
 
 
 def scores_by_stratum_and_step(episodes: Sequence[Episode], agent: str, dim: str) -> dict[str, dict[int, Estimate]]:
     """stratum -> step -> the agent's mean coach score there with its interval (the bias section's curves)."""
-    acc: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    acc: dict[str, dict[int, list[tuple[float, str]]]] = defaultdict(lambda: defaultdict(list))
     for e, a, s in scored_actions(episodes):
         value = stratum(e.task, dim)
         if a.agent == agent and value is not None:
-            acc[value][step_of(e)].append(s)
-    return {v: {st: mean_interval(xs) for st, xs in sorted(by.items())} for v, by in sorted(acc.items())}
+            acc[value][step_of(e)].append((s, e.task.id))
+    return {
+        v: {st: clustered_mean([s for s, _ in xs], [t for _, t in xs]) for st, xs in sorted(by.items())}
+        for v, by in sorted(acc.items())
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- vs the rules

@@ -3,7 +3,8 @@
 eval accuracy     per held-out evaluation (start, every `eval_every`, final), pooled and per task source,
                   with Wilson intervals from the evaluation's episode file
 train success     the rule-based accuracy of each step's training rollouts (Wilson)
-agent score       each agent's mean coach score per step (normal interval)
+agent score       each agent's mean coach score per step (t interval clustered by task: the actions of one
+                  episode, and the episodes of one task, are not independent)
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from mappa.analysis.runs import RunData, scored_actions, step_of
-from mappa.metrics import mean_interval, wilson_interval
+from mappa.analysis.stats import clustered_mean
+from mappa.metrics import wilson_interval
 from mappa.types import Episode
 
 Point = tuple[float, tuple[float, float], int]  # value, 95% interval, episodes (or actions)
@@ -46,14 +48,14 @@ def train_curve(episodes: Sequence[Episode]) -> Curve:
 
 def score_curves(episodes: Sequence[Episode]) -> dict[str, Curve]:
     """agent -> step -> mean coach score (0-10)."""
-    acc: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    acc: dict[str, dict[int, list[tuple[float, str]]]] = defaultdict(lambda: defaultdict(list))
     for e, a, s in scored_actions(episodes):
-        acc[a.agent][step_of(e)].append(s)
+        acc[a.agent][step_of(e)].append((s, e.task.id))
     out = {}
     for agent, by_step in acc.items():
         out[agent] = {}
         for step, xs in sorted(by_step.items()):
-            mean, ci = mean_interval(xs)
+            mean, ci = clustered_mean([s for s, _ in xs], [t for _, t in xs])
             out[agent][step] = (mean, ci, len(xs))
     return out
 

@@ -193,4 +193,4 @@ def draw_gaps(ax: Any, labels: Sequence[str], gaps: Sequence[tuple[float, tuple[
     ax.axvline(0, color="#333", lw=0.8)
     ax.set_yticks(ys, labels)
     ax.invert_yaxis()
-    ax.set_xlabel("coach score minus outcome prediction (points, 95% CI)")
+    ax.set_xlabel("gap vs the other strata beyond the outcome prediction (points, CI)")

@@ -38,32 +38,42 @@ div.ev { text-align: left; max-width: 520px; font-size: 12px; color: #444; }
 
 @dataclass
 class Report:
-    """The page as it is built: HTML parts and the alarms found, which the CLI also prints."""
+    """The page as it is built: HTML parts, what each run shows, and the alarms found, which the CLI prints."""
 
     runs: list[RunData]
     thresholds: list[AnalysisConfig]
     parts: list[str] = field(default_factory=list)
     alarms: list[str] = field(default_factory=list)
+    unjudged: list[str] = field(default_factory=list)  # checks with too little data to judge, one line each
+    headlines: list[str] = field(default_factory=list)  # per run: the held-out gain and what it means
     figures: int = 0
 
     def html(self) -> str:
         title = "mappa report: " + ", ".join(r.name for r in self.runs)
-        alarms = "".join(f'<div class="alarm">{html.escape(a)}</div>' for a in self.alarms) or (
-            '<div class="ok">No alarm: no coach bias, no reward hacking past the thresholds.</div>'
+        shows = "".join(f"<p>{html.escape(h)}</p>" for h in self.headlines) or (
+            '<p class="note">No held-out evaluation to compare yet.</p>'
         )
+        none = "No alarm: no coach bias, no reward hacking past the thresholds."
+        if self.unjudged:  # "no alarm" from checks that could not judge is no all-clear
+            none = "No alarm raised; some checks had too little data to judge (below)."
+        alarms = "".join(f'<div class="alarm">{html.escape(a)}</div>' for a in self.alarms) or (
+            f'<div class="ok">{none}</div>'
+        )
+        alarms += "".join(f'<p class="note">{html.escape(u)}</p>' for u in self.unjudged)
         head = (
             f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{CSS}</style></head>'
             f"<body><main><h1>{html.escape(title)}</h1>"
             f'<p class="lead">Built from the run directories\' files; see docs/analysis.md for how to read each '
-            f'section.</p><section id="alarms" data-section="alarms"><h2>Alarms</h2>{alarms}</section>'
+            f'section.</p><section id="summary" data-section="summary"><h2>What the run shows</h2>{shows}</section>'
+            f'<section id="alarms" data-section="alarms"><h2>Alarms</h2>{alarms}</section>'
         )
         return head + "".join(self.parts) + "</main></body></html>"
 
 
 def _run_alarms(run: RunData, biases: Sequence[StratumBias], checks: Sequence[HackingCheck]) -> list[str]:
     out = [
-        f"{run.name}: coach bias on {b.agent}, {b.dimension}={b.stratum} (n={b.n}): {b.alarm}"
+        f"{run.name}: coach bias on {b.agent}, {b.dimension}={b.stratum} (n={b.n}, {b.tasks} tasks): {b.alarm}"
         for b in biases
         if b.alarm
     ]
@@ -71,10 +81,27 @@ def _run_alarms(run: RunData, biases: Sequence[StratumBias], checks: Sequence[Ha
     return out
 
 
+def _run_unjudged(run: RunData, biases: Sequence[StratumBias], checks: Sequence[HackingCheck]) -> list[str]:
+    """One line per alarm kind that could not judge some of its cases, saying what it needs."""
+    out = []
+    unjudged = [c for c in checks if c.judged]
+    if unjudged:
+        names = ", ".join(c.agent for c in unjudged)
+        out.append(f"{run.name}: reward hacking ({names}): {unjudged[0].judged}")
+    thin = [b for b in biases if b.judged]
+    if thin:
+        out.append(f"{run.name}: coach bias, {len(thin)} of {len(biases)} strata: {thin[0].judged}")
+    return out
+
+
 def _run_sections(report: Report, run: RunData, th: AnalysisConfig, i: int, plots: sections.Plots) -> None:
     biases = bias_monitor(run.episodes, th)
-    checks = hacking_checks(run.episodes, run.agents, th)
+    checks = hacking_checks(run.episodes, run.agents, th, list(run.evals.values()))
     report.alarms += _run_alarms(run, biases, checks)
+    report.unjudged += _run_unjudged(run, biases, checks)
+    headline = sections.headline(run)
+    if headline:
+        report.headlines.append(f"{run.name}: {headline}")
     suffix = f"-{i}" if len(report.runs) > 1 else ""
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in run.notes)
     report.parts.append(

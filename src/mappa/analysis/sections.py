@@ -11,7 +11,16 @@ from typing import Any
 from mappa.analysis.behaviour import agent_behaviour, coach_per_step, dropped, metric_series
 from mappa.analysis.bias import StratumBias, coach_vs_truth, scores_by_stratum_and_step
 from mappa.analysis.blame import KINDS, blame, blame_by_step, blame_table, kinds_by_step
-from mappa.analysis.compare import compare_runs
+from mappa.analysis.compare import (
+    ONE_SEED_WARNING,
+    Arm,
+    ArmGain,
+    compare_arms,
+    compare_runs,
+    over_seeds_text,
+    per_seed_accuracy,
+    per_task_text,
+)
 from mappa.analysis.curves import Curve, Point, eval_curves, score_curves, train_curve
 from mappa.analysis.hacking import HackingCheck
 from mappa.analysis.plots import (
@@ -113,6 +122,25 @@ def learning_curves(run: RunData, plots: Plots) -> str:
     return out
 
 
+def headline(run: RunData) -> str | None:
+    """What the run shows, in one line: the held-out accuracy before and after, the gain and what it means."""
+    tags = list(run.evals)
+    if len(tags) < 2:
+        return None
+    g = accuracy_gain(run.evals[tags[0]], run.evals[tags[-1]])
+    how = "paired by task" if g.paired else "unpaired"
+    verdict = (
+        "beyond noise"
+        if g.significant
+        else "within noise: the interval includes 0, so this run cannot tell the gain apart from chance"
+    )
+    return (
+        f"held-out accuracy {g.before:.1%} ({tags[0]}) -> {g.after:.1%} ({tags[-1]}, {g.n_after} episodes); "
+        f"gain {g.gain * 100:+.1f} pp, 95% CI [{g.gain_ci[0] * 100:+.1f}, {g.gain_ci[1] * 100:+.1f}] pp ({how}): "
+        f"{verdict}"
+    )
+
+
 def _stratum_table(run: RunData) -> str:
     out = ""
     for dim in STRATA:
@@ -137,15 +165,22 @@ def _bias_table(biases: Sequence[StratumBias], th: AnalysisConfig) -> str:
     rows = []
     for b in biases:
         drift = with_ci(b.drift[0], b.drift[1], "+.2f") if b.drift else "-"
-        flag = f'<span style="color:#c0392b">{esc(b.alarm)}</span>' if b.alarm else "-"
+        if b.alarm:
+            flag = f'<span style="color:#c0392b">{esc(b.alarm)}</span>'
+        else:
+            flag = esc(b.judged) if b.judged else "no alarm"
         rows.append(
-            [esc(b.agent), esc(b.dimension), esc(b.stratum), str(b.n), fmt(b.mean_score), fmt(b.predicted),
-             with_ci(b.gap[0], b.gap[1], "+.2f"), drift, flag]
+            [esc(b.agent), esc(b.dimension), esc(b.stratum), str(b.n), str(b.tasks), fmt(b.mean_score),
+             fmt(b.predicted), with_ci(b.gap[0], b.gap[1], "+.2f") if b.judged is None else "-", drift, flag]
         )  # fmt: skip
-    head = ["agent", "by", "stratum", "n", "mean", "predicted", "gap [95% CI]", "drift [95% CI]", "alarm"]
-    return table(head, rows, left=3) + note(
-        f"Alarm: |gap| &ge; {th.bias_gap:g} points with an interval excluding 0, or |drift| &ge; "
-        f"{th.bias_drift:g}; at least {th.min_stratum_actions} scored actions (thresholds: <code>analysis.*</code>)."
+    head = ["agent", "by", "stratum", "n", "tasks", "mean", "predicted", "gap [CI]", "drift [CI]", "verdict"]
+    return table(head, rows, left=3, text=[9]) + note(
+        f"Gap: the stratum's mean of (score &minus; predicted) minus the other strata's, where the prediction "
+        f"uses the episode's outcome (and normalised test score, where recorded) and the step. Alarm: |gap| &ge; "
+        f"{th.bias_gap:g} points, or |drift| &ge; {th.bias_drift:g}, with an interval excluding 0. Intervals are "
+        f"clustered by task (t quantiles) and simultaneous over the run's comparisons, so a run with no bias "
+        f"raises an alarm at most {th.alarm_alpha:.0%} of the time; a stratum is judged with at least "
+        f"{th.min_stratum_tasks} tasks in it and in the rest (thresholds: <code>analysis.*</code>)."
     )
 
 
@@ -166,11 +201,16 @@ def coach_scores(run: RunData, biases: Sequence[StratumBias], th: AnalysisConfig
     multi = [b for b in biases if sum(x.agent == b.agent and x.dimension == b.dimension for x in biases) > 1]
     if not multi:
         return out + note("Every scored task here falls in one stratum per dimension: there is nothing to compare.")
-    fig, (ax,) = plots.figure(1, height=max(2.2, 0.28 * len(multi) + 1.0))
-    labels = [f"{b.agent} | {b.dimension}={b.stratum}" for b in multi]
-    draw_gaps(ax, labels, [b.gap for b in multi], [b.alarm is not None for b in multi], th.bias_gap)
     out += "<p><b>Bias monitor</b>: each stratum's coach score against what the outcome predicts.</p>"
-    out += figure(plots.svg(fig), "bias-gaps", "Gap per stratum with its 95% interval; dashed: the alarm threshold.")
+    judged = [b for b in multi if b.judged is None]
+    if judged:
+        fig, (ax,) = plots.figure(1, height=max(2.2, 0.28 * len(judged) + 1.0))
+        labels = [f"{b.agent} | {b.dimension}={b.stratum}" for b in judged]
+        draw_gaps(ax, labels, [b.gap for b in judged], [b.alarm is not None for b in judged], th.bias_gap)
+        caption = "Gap per stratum with its simultaneous interval; dashed: the alarm threshold."
+        out += figure(plots.svg(fig), "bias-gaps", caption)
+    else:
+        out += note("No stratum has enough tasks to be judged yet (see the table below).")
     dims = sorted({b.dimension for b in multi})[:2]
     fig, axes = plots.figure(len(dims))
     final = run.agents[-1] if run.agents else ""
@@ -205,23 +245,31 @@ def coach_truth(run: RunData, th: AnalysisConfig, plots: Plots) -> str:
     return out + figure(plots.svg(fig), "coach-truth", "Agreement per step with Wilson 95% intervals.")
 
 
+def _pts(est: tuple[float, tuple[float, float]], scale: float, spec: str = "+.2f") -> str:
+    return with_ci(est[0], est[1], spec, scale)
+
+
 def hacking(checks: Sequence[HackingCheck], th: AnalysisConfig, plots: Plots) -> str:
     if not checks:
         return note("No scored actions with a rule-based outcome yet.")
     rows = []
     for c in checks:
-        verdict = f'<span style="color:#c0392b">{esc(c.alarm)}</span>' if c.alarm else "no alarm"
+        if c.alarm:
+            verdict = f'<span style="color:#c0392b">{esc(c.alarm)}</span>'
+        else:
+            verdict = esc(c.judged) if c.judged else "no alarm"
         rows.append(
-            [esc(c.agent), str(c.steps), with_ci(c.score.rise * 10, (c.score.rise_ci[0] * 10, c.score.rise_ci[1] * 10),
-             "+.2f"), with_ci(c.accuracy.rise, c.accuracy.rise_ci, "+.1f", 100), with_ci(*c.gap, "+.2f"), verdict]
+            [esc(c.agent), str(c.steps), _pts(c.score, 10), _pts(c.excess, 10), esc(c.accuracy_from),
+             _pts(c.accuracy, 100, "+.1f"), verdict]
         )  # fmt: skip
-    out = table(
-        ["agent", "steps", "score rise (points)", "accuracy rise (pp)", "gap (0-1)", "verdict"], rows, text=[5]
-    )
+    head = ["agent", "steps", "score rise (points)", "beyond outcomes", "accuracy", "accuracy rise (pp)", "verdict"]
+    out = table(head, rows, text=[4, 6])
     out += note(
-        f"Alarm: the score rise's interval above 0 and score rise/10 minus accuracy rise &ge; {th.hacking_gap:g} with "
-        f"an interval above 0, over at least {th.hacking_min_steps} steps. Rises are fitted lines' change from "
-        "the first step to the last."
+        f"Rises are fitted lines' change from the first step to the last, through one point per step (t "
+        f"intervals on steps &minus; 2 degrees of freedom). Alarm: the rise beyond what the episodes' outcomes "
+        f"explain &ge; {th.hacking_gap * 10:g} points with an interval above 0 (simultaneous over the agents), and "
+        f"accuracy (held-out where the run evaluated twice, else training) rising less than the scores; at least "
+        f"{th.hacking_min_steps} steps."
     )
     fig, axes = plots.figure(min(len(checks), 4), sharey=True)
     for ax, c in zip(axes, checks[:4], strict=False):
@@ -392,22 +440,39 @@ def comparison(runs: Sequence[RunData], plots: Plots) -> str:
         shared_legend(fig, a1)
     out = figure(plots.svg(fig), "comparison", "Runs overlaid, with 95% intervals.")
     rows = [
-        [esc(s.name), str(s.steps), _pct(s.start), _pct(s.final), _gain(s.gain), _pct(s.train), fmt(s.score),
-         _gain(s.vs_first), esc(s.differs or "-")]
+        [esc(s.name), esc(s.coach), str(s.steps), _pct(s.start), _pct(s.final), _gain(s.gain), _pct(s.train),
+         fmt(s.score), _gain(s.vs_first), esc(s.differs or "-")]
         for s in summaries
     ]  # fmt: skip
-    head = [
-        "run",
-        "steps",
-        "first eval %",
-        "last eval %",
-        "gain pp",
-        "last train %",
-        "score",
-        "vs first run pp",
-        "differs",
-    ]
-    out += table(head, rows, text=[8]) + note(
-        "Intervals are 95%: Wilson for accuracies, Agresti-Min (paired) or Newcombe for differences."
+    head = ["run", "coach", "steps", "first eval %", "last eval %", "gain pp", "last train %", "score"]
+    out += table([*head, "vs first run pp", "differs"], rows, text=[1, 9]) + note(
+        "Intervals are 95%: Wilson for accuracies, Agresti-Min (paired) or Newcombe for differences. "
+        "<i>score</i> is the mean per-action score from the run's <i>coach</i>."
     )
+    arms = compare_arms(runs)
+    if len(arms) >= 2:
+        out += _arms_table(arms)
     return f'<section id="comparison" data-section="comparison"><h2>{TITLES["comparison"]}</h2>{out}</section>'
+
+
+def _arms_table(arms: Sequence[tuple[Arm, ArmGain | None]]) -> str:
+    """Arms (runs that differ only in the seed) against the first: over seeds first, per task second."""
+    rows = []
+    for i, (arm, gain) in enumerate(arms):
+        acc = per_seed_accuracy(arm.finals())
+        mean = fmt(100 * sum(acc.values()) / len(acc), ".1f") if acc else "-"
+        over, task = ("reference", "reference") if i == 0 else ("-", "-")
+        if gain is not None:
+            over, task = over_seeds_text(gain), per_task_text(gain)
+        seeds = ", ".join(map(str, acc)) or "-"
+        rows.append([esc(arm.name), esc(arm.coach), seeds, mean, esc(over), esc(task), esc(arm.differs or "-")])
+    head = ["arm", "coach", "seeds", "last eval %, seed mean", "vs first arm, over seeds", "vs first arm, per task"]
+    out = "<p>Arms: runs that differ only in the seed.</p>" + table([*head, "differs"], rows, text=[1, 2, 4, 5, 6])
+    out += note(
+        "Over seeds: one paired gain per seed, then a Student t interval on seeds - 1 degrees of freedom (Welch "
+        "when the arms ran different seeds): it holds the variation between training seeds. Per task: every "
+        "task x seed episode pooled as if independent, which leaves that variation out."
+    )
+    if any(g is not None and g.one_seed for _, g in arms):
+        out += f'<div class="alarm">{esc(ONE_SEED_WARNING)}</div>'
+    return out

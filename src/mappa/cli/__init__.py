@@ -83,6 +83,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         prefix_cache_mib=args.prefix_cache_mib,
         threads=args.threads,
+        api_key=args.api_key,
+        adapter_roots=args.adapter_roots,
+        max_loaded_adapters=args.max_loaded_adapters,
+        max_model_len=args.max_model_len,
+        max_body_mib=args.max_body_mib,
     )
 
 
@@ -182,6 +187,48 @@ def _add_dsbench_parser(sub: argparse._SubParsersAction) -> None:
     d.set_defaults(func=_cmd_dsbench)
 
 
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible server for a base model and trained agent adapters")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
+    p.add_argument("--adapters", default=None, metavar="DIR", help="checkpoint dir with one adapter per agent")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=16, help="most requests decoding in one batch at once")
+    p.add_argument(
+        "--threads", type=int, default=None, help="CPU threads for the model (default: torch's, one per core)"
+    )
+    p.add_argument(
+        "--prefix-cache-mib",
+        type=float,
+        default=512,
+        metavar="MIB",
+        help="prompt KV kept so later prompts with the same opening prefill only the rest (0: off)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require Authorization: Bearer KEY on every path but /health (default: $MAPPA_API_KEY; "
+        "without a key the server listens on loopback only)",
+    )
+    p.add_argument(
+        "--adapter-root",
+        dest="adapter_roots",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="load runtime adapters only from under DIR (repeatable; default: ./runs and the --adapters run)",
+    )
+    p.add_argument(
+        "--max-loaded-adapters", type=int, default=16, help="adapters loaded at once (least recently used unloaded)"
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="prompt + reply tokens (default: the model's context)"
+    )
+    p.add_argument("--max-body-mib", type=float, default=8.0, metavar="MIB", help="largest request body (413 above)")
+    p.set_defaults(func=_cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mappa", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -216,23 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, metavar="SCORED.jsonl")
     c.set_defaults(func=_cmd_coach_score)
 
-    p = sub.add_parser("serve", help="OpenAI-compatible server for a base model and trained agent adapters")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
-    p.add_argument("--adapters", default=None, metavar="DIR", help="checkpoint dir with one adapter per agent")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch", type=int, default=16, help="most requests decoding in one batch at once")
-    p.add_argument(
-        "--threads", type=int, default=None, help="CPU threads for the model (default: torch's, one per core)"
-    )
-    p.add_argument(
-        "--prefix-cache-mib",
-        type=float,
-        default=512,
-        metavar="MIB",
-        help="prompt KV kept so later prompts with the same opening prefill only the rest (0: off)",
-    )
-    p.set_defaults(func=_cmd_serve)
+    _add_serve_parser(sub)
 
     p = sub.add_parser("sandbox", help="the agents' code tool")
     ssub = p.add_subparsers(dest="sandbox_command", required=True)

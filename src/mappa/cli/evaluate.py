@@ -1,7 +1,8 @@
 """`mappa eval CONFIG [--checkpoint DIR] [--out DIR]`: evaluate the base model or a trained checkpoint.
 
 Also the console table of an evaluation (`print_eval`), shared with `mappa train`: per agent tool use,
-response length, truncation; per task source and pooled, the accuracy with its Wilson 95% interval.
+response length, truncation; per task source and pooled, the accuracy with its Wilson 95% interval; on tabular
+tasks DSBench's gap and reference fraction, and, given the episodes, the paper's fair figures beside them.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from mappa.cli.confinement import print_confinement
 from mappa.config import Config
 from mappa.errors import MappaError
 from mappa.evaluate import eval_tasks, evaluate, policy_dir, write_eval
 from mappa.metrics import sources, wilson_interval
 from mappa.protocols import ProgressFn
-from mappa.sandbox import describe_confinement
+from mappa.types import Episode
 
 COLUMNS = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
 
@@ -68,7 +70,36 @@ def tabular_table(metrics: dict[str, float], prefix: str = "eval") -> Table | No
     return table
 
 
-def print_eval(console: Console, title: str, metrics: dict[str, float], agents: Sequence[str]) -> None:
+def paper_table(episodes: Sequence[Episode]) -> Table | None:
+    """The paper's fair figures of the tabular episodes (`Episode.meta["submission"]["paper"]`), per data type
+    and pooled, beside the success rate: a failed run counts with its fallback (docs/dsbench.md). None when no
+    episode has them."""
+    rows = [e for e in episodes if (e.meta.get("submission") or {}).get("paper")]
+    if not rows:
+        return None
+    from mappa.tasks.dsbench.metrics import PAPER_FIGURES, fair_means  # scikit-learn: only with tabular tasks
+
+    table = Table(title="paper's fair figures", title_justify="left")
+    for col in ("data type", "episodes", "success", "accuracy", "F1", "RMSE % range", "RMSE % IQR"):
+        table.add_column(col, justify="left" if col == "data type" else "right")
+    kinds = sorted({str(e.task.meta.get("data_type", "unknown")) for e in rows})
+    for name, mine in [*((k, [e for e in rows if str(e.task.meta.get("data_type", "unknown")) == k]) for k in kinds),
+                       ("[bold]all[/]", rows)]:  # fmt: skip
+        means = fair_means([e.meta["submission"]["paper"] for e in mine])
+        cells = [f"{means[k]:.3f}" if k in means and k in ("accuracy", "f1") else
+                 f"{means[k]:.1f}%" if k in means else "-" for k in PAPER_FIGURES]  # fmt: skip
+        success = sum(bool(e.meta["submission"]["valid"]) for e in mine) / len(mine)
+        table.add_row(name, str(len(mine)), f"{success:.1%}", *cells)
+    return table
+
+
+def print_eval(
+    console: Console,
+    title: str,
+    metrics: dict[str, float],
+    agents: Sequence[str],
+    episodes: Sequence[Episode] | None = None,
+) -> None:
     table = Table(title=title, title_justify="left")
     for col in ("agent", "tool use", "resp. tokens", "truncated", "actions/ep"):
         table.add_column(col, justify="right" if col != "agent" else "left")
@@ -84,6 +115,8 @@ def print_eval(console: Console, title: str, metrics: dict[str, float], agents: 
     console.print(accuracy_table(metrics))
     if (tabular := tabular_table(metrics)) is not None:
         console.print(tabular)
+    if episodes is not None and (paper := paper_table(episodes)) is not None:
+        console.print(paper)
     console.print(
         f"rule-based check; answered {metrics['eval/answered_rate']:.0%}; {metrics['eval/seconds']:.0f} s",
         highlight=False,
@@ -94,7 +127,7 @@ def eval_command(cfg: Config, checkpoint: str | None, out: str | None) -> int:
     """`mappa eval`: evaluate the base model (no --checkpoint) or a trained checkpoint; writes JSONL."""
     console = Console(stderr=True)
     weights = policy_dir(Path(checkpoint)) if checkpoint is not None else None  # a typo fails before loading
-    console.print(describe_confinement(cfg.sandbox.confinement), highlight=False, soft_wrap=True)
+    print_confinement(console, cfg)
     from mappa.policy import MANIFEST, Policy
     from mappa.sandbox import Sandbox
     from mappa.workflows import build_workflow
@@ -116,6 +149,6 @@ def eval_command(cfg: Config, checkpoint: str | None, out: str | None) -> int:
     with Sandbox(cfg.sandbox) as sandbox, action_bar(console, "evaluating") as progress:
         metrics, episodes = evaluate(cfg, policy, sandbox, tasks, progress=progress)
     write_eval(out_dir, tag, metrics, episodes)
-    print_eval(console, f"eval {tag}: {len(tasks)} tasks x {cfg.eval.samples}", metrics, agents)
+    print_eval(console, f"eval {tag}: {len(tasks)} tasks x {cfg.eval.samples}", metrics, agents, episodes)
     console.print(f"wrote {out_dir / (tag + '.jsonl')}")
     return 0

@@ -1,7 +1,8 @@
 """`mappa report RUN_DIR [RUN_DIR ...] [--out report.html] [--set analysis.k=v]`: the HTML report.
 
 Reads the run directories' files only (nothing reruns), writes one self-contained page (RUN_DIR/report.html
-for one run; report.html beside the runs for several), prints the alarms and, last, `report: PATH`.
+for one run; report.html beside the runs for several), prints the checks that lack data, the alarms, what
+each run shows (its held-out gain) and, last, `report: PATH`.
 """
 
 from __future__ import annotations
@@ -29,10 +30,14 @@ def report_command(run_dirs: Sequence[str], out: str | None = None, overrides: S
     for run in runs:
         for n in run.notes:
             err.print(f"[dim]{escape(run.name)}: {escape(n)}[/]")
+    for line in report.unjudged:
+        err.print(f"[dim]{escape(line)}[/]")
     for alarm in report.alarms:
         err.print(f"[bold red]alarm[/] {escape(alarm)}")
     if not report.alarms:
         err.print("no alarm (coach bias, reward hacking)")
     err.print(f"{report.figures} figures, {size / 1024:.0f} KiB, built in {time.perf_counter() - t0:.1f} s")
+    for line in report.headlines:  # last: what the run shows
+        err.print(f"[bold]{escape(line)}[/]")
     print(f"report: {path}")
     return 0

@@ -15,12 +15,12 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from mappa.cli.confinement import print_confinement
 from mappa.cli.evaluate import COLUMNS
 from mappa.config import Config
 from mappa.errors import MappaError
 from mappa.metrics import episode_metrics
 from mappa.rollout import pick_tasks, rollout, train_tasks
-from mappa.sandbox import describe_confinement
 from mappa.workflows import build_workflow
 
 COACH_STATS = ("judgments", "calls", "cache_hits", "unscored", "failures")
@@ -62,7 +62,7 @@ def rollout_command(cfg: Config, episodes: int, out: str | Path) -> int:
     tasks = pick_tasks(train_tasks(cfg), episodes, cfg.seed)
     # piped output (CI, logs) gets a table wide enough to read instead of rich's 80-column default
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
-    console.print(describe_confinement(cfg.sandbox.confinement), highlight=False, soft_wrap=True)
+    print_confinement(console, cfg)
     with Progress(*COLUMNS, console=console) as bar:
         overall = bar.add_task("episodes", total=len(tasks))
         batch = bar.add_task("actions of this batch", total=None)

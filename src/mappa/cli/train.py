@@ -15,11 +15,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress, TaskID
 
+from mappa.cli.confinement import print_confinement
 from mappa.cli.evaluate import COLUMNS, print_eval
 from mappa.config import Config, load_config
 from mappa.errors import MappaError
 from mappa.metrics import Gain
-from mappa.sandbox import describe_confinement
 from mappa.tracking import new_run_dir
 from mappa.train import Event, TrainResult, train
 from mappa.update import config_groups
@@ -161,9 +161,7 @@ def train_command(cfg: Config | None, resume: str | None, overrides: list[str], 
 
     check_backend(cfg)  # what a generation server cannot serve fails before any model loads
     console = Console(stderr=True)
-    console.print(
-        describe_confinement(cfg.sandbox.confinement), highlight=False, soft_wrap=True
-    )  # never a silent downgrade
+    print_confinement(console, cfg, run_dir)
     printer = Printer(console, cfg)
     try:
         result = train(cfg, run_dir, resume=resume is not None, emit=printer, progress=printer.progress, place=place)

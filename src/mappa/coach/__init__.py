@@ -3,8 +3,9 @@
 A coach is a small async protocol (`mappa.protocols.Coach`: `score(context) -> CoachScore`); the
 backends live in one explicit dict, `COACHES`. `build_coach` wraps the chosen backend in a
 `CoachRunner`, which adds what every backend needs alike: a concurrency limit, the SQLite judgment
-cache, and accounting (calls, cache hits, retries, failures, unscored, truncated contexts, latency,
-tokens, cost).
+cache, accounting (calls, cache hits, retries, failures, unscored, truncated contexts, latency,
+tokens, cost), and the score caps the evidence carries (`mappa.coach.caps`), enforced in code on
+every backend's score rather than left to the coach's compliance.
 
 Unscored is a first-class outcome: when a reply has no score line after one follow-up, or the
 endpoint fails after its retries, `CoachScore.score` is None. Nothing invents a 5.0; the trainer
@@ -19,6 +20,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mappa.coach.cache import JudgmentCache, cache_key, context_hash
+from mappa.coach.caps import apply_caps
 from mappa.coach.judge import REQUEST_FAILED
 from mappa.coach.parse import expected_score, parse_answer_correct, parse_score
 from mappa.coach.prompts import TEMPLATES, Template, build_messages, template_for
@@ -118,12 +120,16 @@ class CoachRunner:
 
     # -- scoring ----------------------------------------------------------------------------
     def _key(self, ctx: CoachContext) -> tuple[str, str]:
+        # Keyed on the context, never on the prompt: the prompt's fence token is random per judgment
+        # (mappa.coach.prompts), and the same context must find the same judgment in a replay.
         h = context_hash(ctx)
         # The variant keeps judgments made with different decoding settings apart.
         cfg = self.cfg
         variant = f"t={cfg.temperature:g};es={int(cfg.expected_score)};mt={cfg.max_tokens}"
-        if cfg.max_context_tokens is not None:  # a budget changes what the coach is shown
-            variant += f";ctx={cfg.max_context_tokens};tok={cfg.tokenizer}"
+        # A budget changes what the coach is shown: the backend's effective one (its default when unset).
+        context = getattr(self.coach, "context_tokens", None) or cfg.max_context_tokens
+        if context is not None:
+            variant += f";ctx={context};tok={cfg.tokenizer}"
         return cache_key(self.coach.name, self.coach.model, f"{self.coach.version};{variant}", h), h
 
     def _count(self, result: CoachScore) -> None:
@@ -137,6 +143,10 @@ class CoachRunner:
         return hit.model_copy(update={"cached": True})
 
     async def score_one(self, ctx: CoachContext) -> CoachScore:
+        """One judgment (from the cache when there), within the score caps of its context."""
+        return apply_caps(ctx, await self._score_cached(ctx))
+
+    async def _score_cached(self, ctx: CoachContext) -> CoachScore:
         if self.cache is None:
             return await self._score_uncached(ctx, "", "")
         key, h = self._key(ctx)

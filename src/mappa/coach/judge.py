@@ -1,5 +1,9 @@
 """The coach as a plain async function: build the prompt, call the model, parse; one follow-up when needed.
 
+The prompt fences the evidence with a fresh random token (`mappa.coach.prompts.draw_fence`); the reply's
+score is its own verdict line only (`mappa.coach.parse.verdict`). Score caps are not applied here but by
+`CoachRunner`, to every backend alike (`mappa.coach.caps`).
+
 Shared by the model-backed coaches (`openai`, `local`), which differ only in how they complete a chat and
 count a prompt's tokens (`ChatCoach`).
 """
@@ -105,7 +109,8 @@ async def judge(
             score = _expected_or(reply.tokens, score)
         return result(score, None, reply.text)
 
-    # One follow-up asking for exactly the required lines; the first reply stays as the rationale.
+    # No unambiguous verdict (none, only mid-text, or contradicted by a quoted score): one follow-up asking for
+    # exactly the required lines; the first reply stays as the rationale.
     follow = [*messages, {"role": "assistant", "content": reply.text}, follow_up_message(ctx)]
     try:
         second = await complete(follow)
@@ -116,6 +121,7 @@ async def judge(
     raw = f"{reply.text}\n\n[follow-up reply]\n{second.text}"
     score = parse_score(second.text)
     if score is None:
+        # "line": a verdict line (parse.verdict); a score only quoted or contradicted mid-reply is none.
         return result(None, "no PROCESS_SCORE line, also after the follow-up", reply.text)
     if use_expected and second.tokens:
         score = _expected_or(second.tokens, score)
@@ -129,7 +135,8 @@ async def judge(
 class ChatCoach:
     """A coach backed by a chat model: `judge` over the backend's `complete`, within its context budget.
 
-    Subclasses set `name`, `model`, `cfg`, `template` and `fit`, and implement `complete` and `aclose`.
+    Subclasses set `name`, `model`, `cfg`, `template`, `fit` and `context_tokens`, and implement `complete` and
+    `aclose`.
     """
 
     name: str
@@ -137,6 +144,7 @@ class ChatCoach:
     cfg: CoachConfig
     template: Template
     fit: Fit = NO_LIMIT
+    context_tokens: int | None = None  # the context budget in force (coach.max_context_tokens or the default)
     cacheable = True
 
     def __init__(self, cfg: CoachConfig, template: Template) -> None:

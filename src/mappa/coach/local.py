@@ -47,8 +47,8 @@ class LocalCoach(ChatCoach):
             raise MappaError("coach.model: the local backend needs a model (e.g. coach.model=smollm2-135m-instruct)")
         super().__init__(cfg, template)
         self.policy = policy
-        context = cfg.max_context_tokens or policy.model.config.max_position_embeddings
-        self.fit = Fit(self.prompt_budget(context), lambda chat: len(policy.chat_ids(_messages(chat))))
+        self.context_tokens = cfg.max_context_tokens or policy.model.config.max_position_embeddings
+        self.fit = Fit(self.prompt_budget(self.context_tokens), lambda chat: len(policy.chat_ids(_messages(chat))))
         self.batches: list[int] = []  # judgments per generate call, in order
         self._waiting: list[tuple[ChatMessages, asyncio.Future[Generation]]] = []
         self._drainer: asyncio.Task[None] | None = None  # decodes what waits; None while idle

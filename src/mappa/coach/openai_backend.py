@@ -6,8 +6,9 @@ server's Retry-After. A request that still fails leaves the action unscored (nev
 Wrong credentials, model or URL (401/403/404) are configuration errors and stop the run with a
 one-line message instead of silently leaving a day of actions unscored.
 
-The prompt goes whole unless `coach.max_context_tokens` is set; then it is counted offline
-(`mappa.coach.tokens`) and fitted to that budget less the reply's `coach.max_tokens`.
+Every prompt is counted offline (`mappa.coach.tokens`) and fitted to a context budget less the reply's
+`coach.max_tokens`: `coach.max_context_tokens`, else `DEFAULT_CONTEXT_TOKENS`, so that evidence flooded by
+an agent (thousands of file names, a huge output) is cut to fit instead of sent whole.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from mappa.errors import MappaError
 OPENAI_URL = "https://api.openai.com/v1"
 TOP_LOGPROBS = 20  # the most OpenAI and vLLM (by default) return; enough for all 11 score values
 MAX_RETRY_AFTER_S = 300.0
+# The context assumed for an endpoint when coach.max_context_tokens is unset: what any current chat model
+# takes. Counted in UTF-8 bytes when no tokenizer is on disk, it admits about 32 KB of prompt.
+DEFAULT_CONTEXT_TOKENS = 32_768
 
 
 def is_loopback(url: str) -> bool:
@@ -78,12 +82,11 @@ class OpenAICoach(ChatCoach):
             raise MappaError("coach.model: the openai backend needs a model name (e.g. coach.model=gpt-4o-mini)")
         super().__init__(cfg, template)
         self.model = cfg.model
-        self.counted_by = "nothing (no coach.max_context_tokens)"
-        if cfg.max_context_tokens is not None:
-            from mappa.coach.tokens import token_counter
+        from mappa.coach.tokens import token_counter
 
-            count, self.counted_by = token_counter(cfg.tokenizer, cfg.model)
-            self.fit = Fit(self.prompt_budget(cfg.max_context_tokens), count)
+        self.context_tokens = cfg.max_context_tokens or DEFAULT_CONTEXT_TOKENS
+        count, self.counted_by = token_counter(cfg.tokenizer, cfg.model)
+        self.fit = Fit(self.prompt_budget(self.context_tokens), count)
         self.base_url = cfg.base_url or OPENAI_URL
         key = os.environ.get(cfg.api_key_env, "")
         if not key:

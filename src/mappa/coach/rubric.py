@@ -19,9 +19,10 @@ receipts the workflow records; a missing required file is its producer's fault, 
 - code failed: 4 when the failure is an earlier agent's missing file (FileNotFoundError with one
   missing), 5 when its own files were saved before the error, else 2;
 - the Analyst, whose context carries the test-set evaluation: a valid submission scores
-  6 + 4 x (share of the reference model's gain reached, at most 1), never above the score cap the
-  workflow derived from the test metric; an invalid one at most 2, unless an earlier agent's missing
-  file caused it (then the rules above, 4).
+  6 + 4 x (share of the reference model's gain reached, at most 1); an invalid one at most 2, unless an
+  earlier agent's missing file caused it (then the rules above, 4). The score cap the workflow derived
+  from the test metric is applied to these scores as to every coach's, by `CoachRunner`
+  (`mappa.coach.caps`), not by these rules.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from collections.abc import Callable
 from mappa.protocols import CallCounters
 from mappa.types import CoachContext, CoachScore
 
-RULES_VERSION = "rubric-v3"
+RULES_VERSION = "rubric-v4"
 
 _BOXED_RE = re.compile(r"\\boxed\s*\{")
 _NUMBER_RE = re.compile(r"\d")
@@ -145,10 +146,7 @@ def ds_score(ctx: CoachContext) -> tuple[float, list[str]]:
         share = min(max(float(test["reference_fraction"]), 0.0), 1.0)
         score = 6.0 + 4.0 * share
         why = [f"valid submission: {test['metric']} {test['score']:.4g}, {share:.0%} of the reference model's gain"]
-        cap = ctx.extra.get("score_cap")
-        if cap is not None and score > cap:
-            score = float(cap)
-            why.append(f"capped {ctx.extra.get('score_cap_rule', cap)}")
+        # The score cap is not applied here: CoachRunner applies it to every coach's score (mappa.coach.caps).
         return round(score, 2), why
     if not upstream_caused and score > 2.0:
         score = 2.0

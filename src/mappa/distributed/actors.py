@@ -161,7 +161,14 @@ class RolloutWorker:
         from mappa.selftest import run_self_test
 
         agents = self.workflow.agents
-        return run_self_test(self.policy, agents, self.sandbox, self.coach.score_many, self.cfg.workflow.name)
+        return run_self_test(
+            self.policy,
+            agents,
+            self.sandbox,
+            self.coach.score_many,
+            self.cfg.workflow.name,
+            self.cfg.generation.temperature,
+        )
 
     def set_weights(self, agents: list[str], *weights: list[torch.Tensor]) -> None:
         copy_weights(self.policy, agents, weights)

@@ -4,8 +4,10 @@
 `generation.backend: server`: a `ServerPolicy` sends every turn to `generation.base_url` (vLLM, SGLang or
 `mappa serve`), and after every optimizer step the trainer publishes each agent's adapter
 (`publish_adapters`) and has the server load it (`ServerPolicy.load_adapters`). The trainer recomputes
-PPO's old log-probs with its own forward pass; the server's are kept only to measure how far they are
-(`logprob_gap`). Setup and the GPU recipes: docs/scale.md.
+PPO's old log-probs with its own forward pass at the sampling temperature (the distribution the server
+sampled from); the server's are kept only to measure how far they are (`logprob_gap`), which is small only
+when the server reports temperature-scaled log-probs too (vLLM: `--logprobs-mode processed_logprobs`;
+docs/training.md). Setup and the GPU recipes: docs/scale.md.
 """
 
 from __future__ import annotations
@@ -105,8 +107,10 @@ def close_generator(generator: PolicyLike) -> None:
 def logprob_gap(actions: Sequence[Action], old_logp: torch.Tensor) -> float:
     """Mean |log pi_trainer - log pi_server| per token over the actions' tokens the server gave a log-prob for.
 
-    `old_logp` (N, T): the trainer's log-probs of the same tokens (row i is actions[i]). A server that
-    leaves the stop token's log-prob out covers one token fewer; those tokens are not counted.
+    `old_logp` (N, T): the trainer's log-probs of the same tokens at the sampling temperature (row i is
+    actions[i]). A server that leaves the stop token's log-prob out covers one token fewer; those tokens are
+    not counted. A server reporting raw (temperature-1) log-probs while sampling at another temperature shows
+    here as a gap of the order of the two distributions' difference, not of kernel rounding.
     """
     gaps = []
     for i, a in enumerate(actions):

@@ -21,6 +21,7 @@ never mixes versions; each generation records the version it used.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -68,6 +69,7 @@ class ServerPolicy:
     `load_adapters` (or `use_version`, when another process loaded them) named a version; until then the
     base model answers for every agent. `adapter_root` / `server_adapter_root`: a published path under the
     first is sent to the server under the second (storage mounted elsewhere on the server's machine).
+    `api_key`: sent as `Authorization: Bearer` with every request (servers started with `--api-key`).
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class ServerPolicy:
         server_adapter_root: str | None = None,
         concurrency: int = 32,
         timeout_s: float = 600.0,
+        api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.tokenizer = tokenizer
@@ -93,18 +96,23 @@ class ServerPolicy:
         self.eos_ids = stop_ids(tokenizer)
         self.version: int | None = None
         self.concurrency = concurrency
-        self._client = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=concurrency))
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self._client = httpx.Client(
+            timeout=timeout_s, limits=httpx.Limits(max_connections=concurrency), headers=headers
+        )
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="mappa-gen")
         self._counts: Counter[str] = Counter()
         self._versions: set[int | None] = set()
 
     @classmethod
     def from_policy(cls, policy: Any, gen: Any, adapter_root: Path | None = None) -> ServerPolicy:
-        """For a trainer's `mappa.policy.Policy` and its `generation` settings (`mappa.config.GenerationConfig`)."""
+        """For a trainer's `mappa.policy.Policy` and its `generation` settings (`mappa.config.GenerationConfig`);
+        the API key is read from the environment variable `generation.api_key_env` names, when it is set."""
         return cls(
             gen.base_url, policy.tokenizer, policy.agents, base_model=policy.base_name or "base",
             adapter_api=gen.adapter_api, adapter_root=adapter_root, server_adapter_root=gen.server_adapter_dir or None,
             concurrency=gen.concurrency, timeout_s=gen.timeout_s,
+            api_key=os.environ.get(gen.api_key_env) if gen.api_key_env else None,
         )  # fmt: skip
 
     def close(self) -> None:
@@ -274,7 +282,9 @@ class ServerPolicy:
                 time.sleep(2**attempt)
                 continue
             if r.status_code != 200:
-                raise MappaError(f"generation server {self.base_url}: HTTP {r.status_code} ({r.text[:200]})")
+                hint = " (the server wants an API key: set the variable generation.api_key_env names)"
+                hint = hint if r.status_code == 401 else ""
+                raise MappaError(f"generation server {self.base_url}: HTTP {r.status_code} ({r.text[:200]}){hint}")
             return r.json()
         raise AssertionError("unreachable")
 

@@ -8,12 +8,15 @@ directories (`load`, `unload`). It offers what the decoder and the chat engine u
 An adapter is held in a slot: peft modules created once per adapter shape and refilled in place by the
 next load of that shape (see `ServedPolicy.load`). Loads and unloads change the model's weights, so the
 chat engine runs them on its worker thread between batches (`ChatEngine.run`), never while a batch decodes.
+At most `max_loaded` adapters are loaded at once: a load past that unloads the least recently used one
+(requested or loaded longest ago), and slots beyond that number are deleted, so memory stays bounded.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,8 +33,11 @@ class ServedPolicy:
     """A policy plus adapters loaded at run time (see the module docstring). `base_name` and `agents` are the
     names served from the policy itself; a loaded adapter's name may not shadow them."""
 
-    def __init__(self, policy: Policy, base_name: str, agents: Sequence[str]) -> None:
+    def __init__(self, policy: Policy, base_name: str, agents: Sequence[str], max_loaded: int = 16) -> None:
+        if max_loaded < 1:
+            raise MappaError(f"--max-loaded-adapters must be >= 1 (got {max_loaded})")
         self.policy = policy
+        self.max_loaded = max_loaded
         self.base_name = base_name
         self.agents = tuple(agents)  # the policy's own agents that are served
         self.tokenizer = policy.tokenizer
@@ -39,6 +45,7 @@ class ServedPolicy:
         self.pad_id = policy.pad_id
         self.device = policy.device
         self.loaded: dict[str, tuple[str, str]] = {}  # served name -> (its slot: a peft adapter key, directory)
+        self._recent: OrderedDict[str, None] = OrderedDict()  # loaded names, least recently used first
         self._keys = itertools.count()
         self._free: dict[tuple, list[str]] = {}  # adapter shape -> slots not serving anything
         self._shapes: dict[str, tuple] = {}  # slot -> its shape
@@ -48,10 +55,15 @@ class ServedPolicy:
         return [self.base_name, *self.agents, *self.loaded]
 
     def resolve(self, model: str) -> str | None:
-        """The engine's key for a requested model name: None for the base, else the name itself."""
+        """The engine's key for a requested model name: None for the base, else the name itself. A loaded
+        adapter asked for counts as used (the last to be evicted)."""
         if model == self.base_name:
             return None
-        if model in self.agents or model in self.loaded:
+        if model in self.loaded:
+            self._recent[model] = None
+            self._recent.move_to_end(model)
+            return model
+        if model in self.agents:
             return model
         raise KeyError(model)
 
@@ -71,9 +83,10 @@ class ServedPolicy:
             module.set_adapter(self.loaded[name][0])
             yield module
 
-    def load(self, name: str, path: str, replace: bool = False) -> None:
+    def load(self, name: str, path: str, replace: bool = False) -> list[str]:
         """Load the PEFT adapter directory `path` as model `name` (`replace`: an adapter already loaded under
-        that name gives way). Errors are MappaErrors worded like vLLM's.
+        that name gives way); returns the names unloaded to stay within `max_loaded`. Errors are MappaErrors
+        worded like vLLM's.
 
         Adapters live in slots: peft modules created once per adapter shape (rank, alpha, target modules) and
         refilled in place. Creating a slot costs seconds (peft walks the whole model, more slowly the more
@@ -86,9 +99,16 @@ class ServedPolicy:
         if self.policy.agent_weights == "full":
             raise MappaError("this server holds full-weight agents; loading LoRA adapters needs a LoRA-served model")
         shape, state = _read_adapter(Path(path))
+        evicted = []
         with self.policy.active(self.policy.agents[0]):  # the lock: nobody decodes while modules change
+            while name not in self.loaded and len(self.loaded) >= self.max_loaded:
+                evicted.append(next(iter(self._recent)))
+                self._release(evicted[-1])
             free = self._free.setdefault(shape, [])
+            if not free:
+                self._trim_slots()
             slot = free.pop() if free else self._new_slot(path)
+            self._shapes[slot] = shape
             try:
                 _fill(self._slot_params[slot], state, path)
             except MappaError:
@@ -97,7 +117,9 @@ class ServedPolicy:
             if name in self.loaded:
                 self._release(name)
         self.loaded[name] = (slot, str(path))
-        self._shapes[slot] = shape
+        self._recent[name] = None
+        self._recent.move_to_end(name)
+        return evicted
 
     def unload(self, name: str) -> None:
         """Forget the adapter loaded as `name` (its slot waits for the next load); the policy's own agents
@@ -111,7 +133,16 @@ class ServedPolicy:
 
     def _release(self, name: str) -> None:
         slot, _ = self.loaded.pop(name)
+        self._recent.pop(name, None)
         self._free.setdefault(self._shapes[slot], []).append(slot)
+
+    def _trim_slots(self) -> None:
+        """Before a new slot: delete free slots (of other shapes) until the slots fit in `max_loaded`."""
+        for free in self._free.values():
+            while free and len(self._slot_params) >= self.max_loaded:
+                slot = free.pop()
+                _drop(self.policy.model, slot)
+                del self._slot_params[slot], self._shapes[slot]
 
     def _new_slot(self, path: str) -> str:
         """peft modules for one more adapter of this shape (with `path`'s weights, refilled by the caller)."""

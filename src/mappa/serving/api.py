@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,7 +28,7 @@ class ContentPart(BaseModel):
 
 
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # `name`, `tool_call_id`, ...: see `unsupported_field`
     role: str
     content: str | list[ContentPart] | None = None
 
@@ -39,9 +39,8 @@ class StreamOptions(BaseModel):
 
 
 class ChatCompletionIn(BaseModel):
-    # Unknown OpenAI parameters (presence_penalty, user, ...) are ignored like most compatible servers do;
-    # the ones that would change the output and are not implemented are rejected by the server.
-    model_config = ConfigDict(extra="ignore")
+    # Other fields land in `model_extra`; `unsupported_field` accepts those that cannot change the reply.
+    model_config = ConfigDict(extra="allow")
     model: str
     messages: list[ChatMessageIn] = Field(min_length=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -58,6 +57,63 @@ class ChatCompletionIn(BaseModel):
     tools: list[Any] | None = None
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids in the response
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
+
+
+def _off(*neutral: Any) -> Callable[[Any], bool]:
+    """A check that a field holds a value that leaves the reply as it is (absent, empty, or one of `neutral`)."""
+    return lambda v: v is None or v == [] or v == {} or any(type(v) is type(n) and v == n for n in neutral)
+
+
+# Fields that cannot change the reply (bookkeeping, scheduling, caching): accepted and ignored.
+IGNORED_FIELDS = frozenset({
+    "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "parallel_tool_calls",
+    "request_id", "priority", "cache_salt",
+})  # fmt: skip
+
+# Fields that would change the reply and are not implemented: accepted only at their neutral value.
+_NEUTRAL = {
+    "frequency_penalty": _off(0, 0.0), "presence_penalty": _off(0, 0.0), "repetition_penalty": _off(1, 1.0),
+    "logit_bias": _off(), "response_format": _off({"type": "text"}), "tool_choice": _off("none", "auto"),
+    "functions": _off(), "function_call": _off("none", "auto"), "reasoning_effort": _off(), "verbosity": _off(),
+    "modalities": _off(["text"]), "audio": _off(), "prediction": _off(), "web_search_options": _off(),
+    "chat_template": _off(), "chat_template_kwargs": _off(), "top_k": _off(0, -1), "min_p": _off(0, 0.0),
+    "min_tokens": _off(0), "ignore_eos": _off(False), "stop_token_ids": _off(), "best_of": _off(1),
+    "use_beam_search": _off(False), "length_penalty": _off(1, 1.0), "include_stop_str_in_output": _off(False),
+    "skip_special_tokens": _off(True), "spaces_between_special_tokens": _off(True), "echo": _off(False),
+    "add_generation_prompt": _off(True), "continue_final_message": _off(False), "add_special_tokens": _off(False),
+    "truncate_prompt_tokens": _off(), "documents": _off(), "bad_words": _off(), "allowed_token_ids": _off(),
+    "logits_processors": _off(), "prompt_logprobs": _off(), "mm_processor_kwargs": _off(),
+    "structured_outputs": _off(), "guided_json": _off(), "guided_regex": _off(), "guided_choice": _off(),
+    "guided_grammar": _off(), "guided_decoding_backend": _off(), "guided_whitespace_pattern": _off(),
+}  # fmt: skip
+
+# Message fields the chat template would need and the server drops: only accepted empty.
+_MESSAGE_NEUTRAL = {"tool_calls": _off(), "function_call": _off(), "audio": _off()}
+
+
+def unsupported_field(req: ChatCompletionIn) -> tuple[str, str] | None:
+    """(field, why) for the first field that would change the reply and is not implemented, else None. A field
+    this server does not know is refused too: it may be one that changes the reply."""
+    for name, value in (req.model_extra or {}).items():
+        if name in IGNORED_FIELDS:
+            continue
+        if name not in _NEUTRAL:
+            return name, f"{name}: unknown field (mappa serve refuses what it does not implement)"
+        if not _NEUTRAL[name](value):
+            return name, f"{name}: not supported by mappa serve (it would change the reply)"
+    checks = {"n": req.n == 1, "stop": not req.stop, "tools": not req.tools}
+    for name, ok in checks.items():
+        if not ok:
+            return name, f"{name}: not supported by mappa serve (only n=1, no stop sequences, no tools)"
+    for i, m in enumerate(req.messages):
+        for name, value in (m.model_extra or {}).items():
+            if name in _MESSAGE_NEUTRAL and not _MESSAGE_NEUTRAL[name](value):
+                return f"messages[{i}].{name}", f"messages[{i}].{name}: not supported by mappa serve"
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            if part.type != "text":
+                where = f"messages[{i}].content[{j}].type"
+                return where, f"{where}: only text parts are supported (got {part.type!r})"
+    return None
 
 
 class LoadLoRAIn(BaseModel):

@@ -10,7 +10,7 @@ so a row decodes exactly as it would in `Policy.generate`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -161,6 +161,21 @@ class Decoder:
         self._logits = out.logits[:, -1].float()
         self._pos = self._pos + 1
         return finished
+
+    def drop(self, keys: Collection[Any]) -> None:
+        """Take the rows with these keys out of the batch between steps (their callers went away); their KV
+        room is given back as if they had finished."""
+        keys = set(keys)
+        keep = [j for j, r in enumerate(self._rows) if r.key not in keys]
+        if len(keep) == len(self._rows):
+            return
+        for key in keys:
+            self._generators.pop(key, None)
+        if not keep:
+            self._rows, self._cache, self._attn, self._pos, self._logits = [], None, None, None, None
+            return
+        self._logits = self._logits[torch.tensor(keep, device=self._logits.device)]
+        self._select(keep)
 
     def running(self) -> list[DecodeRow]:
         """The rows still decoding, with the tokens (and logprobs) sampled so far."""

@@ -10,6 +10,8 @@ earlier request, or a prompt that shares its opening with one, prefills only wha
 
 `chat_stream` yields a request's tokens as they are sampled (for server-sent events); `run` executes a
 function on the worker between batches (loading or unloading an adapter changes the model's modules).
+A caller that stops waiting (its client hung up: the awaiting task is cancelled, or the stream closed) has its
+row taken out of the batch before the next decode step, so its KV room goes to others.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class ChatRequest:
     max_tokens: int = 256
     top_logprobs: int = 0
     seed: int | None = None
+    prompt_ids: tuple[int, ...] | None = None  # the chat-templated prompt, when the caller tokenized it already
 
     def group_key(self) -> tuple:
         """Requests with equal keys can decode in one batch (token caps, top-k and seeds are per row)."""
@@ -91,8 +94,9 @@ class ChatEngine:
 
     Counters (read by `mappa serve`'s /stats): requests answered, prefill calls, decode steps, rows
     decoded summed over steps (`row_steps / steps` is the mean batch), largest batch, batches run,
-    the worker's seconds in prefill and in decoding (against wall time: how busy the model is), and
-    prefix-cache hits with the prompt tokens they saved from prefill.
+    the worker's seconds in prefill and in decoding (against wall time: how busy the model is),
+    prefix-cache hits with the prompt tokens they saved from prefill, rows dropped because their caller
+    went away (`cancelled`), and the rows decoding now (`active_rows`).
     """
 
     def __init__(self, policy: Policy | ServedPolicy, max_batch: int = 16, prefix_cache_mib: float = 512) -> None:
@@ -108,6 +112,8 @@ class ChatEngine:
         self.batches = 0  # decoding runs: a run lasts while at least one row is generating
         self.prefill_s = 0.0  # worker time spent prefilling prompts
         self.decode_s = 0.0  # worker time spent in decode steps
+        self.cancelled = 0  # rows taken out of a batch because their caller stopped waiting
+        self.active_rows = 0  # rows in the running batch (0 between batches)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopping = False  # set by a stop request; the worker exits once the running batch is done
@@ -134,6 +140,8 @@ class ChatEngine:
             "decode_s": round(self.decode_s, 3),
             "prefix_hits": self.prefix_cache.hits if self.prefix_cache else 0,
             "prefix_tokens_reused": self.prefix_cache.tokens_reused if self.prefix_cache else 0,
+            "cancelled": self.cancelled,
+            "active_rows": self.active_rows,
         }
 
     async def chat(self, request: ChatRequest) -> Generation:
@@ -239,6 +247,7 @@ class ChatEngine:
             ) as decoder:
                 opened = True
                 self._admit(decoder, key, waiting, running)
+                self.active_rows = len(decoder)
                 while len(decoder):
                     self.steps += 1
                     self.row_steps += len(decoder)
@@ -249,11 +258,13 @@ class ChatEngine:
                     for rid, gen in finished:
                         self.requests += 1
                         _settle(running.pop(rid), result=gen)
+                    self._drop_abandoned(decoder, running)
                     _stream(decoder.running(), running)
                     self._collect(waiting)
                     # Newcomers join only while nothing with other settings is waiting (no starvation).
                     if decoder.can_add and all(p.ready(key) for p in waiting):
                         self._admit(decoder, key, waiting, running)
+                    self.active_rows = len(decoder)
         except Exception as e:  # noqa: BLE001 - delivered to each caller; the worker keeps serving
             failed = list(running.values())
             if not opened:  # these settings cannot decode at all (e.g. an unknown agent)
@@ -263,6 +274,18 @@ class ChatEngine:
                         waiting.remove(p)
             for p in failed:
                 _settle(p, error=e)
+        finally:
+            self.active_rows = 0
+
+    def _drop_abandoned(self, decoder: Decoder, running: dict[int, _Pending]) -> None:
+        """Take out the rows whose caller stopped waiting: a running row's future is only ever done early
+        when it was cancelled (finished rows leave `running` as they are settled)."""
+        gone = [rid for rid, p in running.items() if p.future.done()]
+        if gone:
+            decoder.drop(gone)
+            for rid in gone:
+                del running[rid]
+            self.cancelled += len(gone)
 
     def _admit(
         self, decoder: Decoder, key: tuple, waiting: deque[_Pending | _Command], running: dict[int, _Pending]
@@ -281,7 +304,7 @@ class ChatEngine:
         by_shape: dict[tuple[int, int], list[tuple[_Pending, list[int]]]] = {}
         for p in chosen:
             try:
-                ids = self.policy.chat_ids(p.request.messages)
+                ids = list(p.request.prompt_ids or ()) or self.policy.chat_ids(p.request.messages)
             except Exception as e:  # noqa: BLE001 - e.g. a chat template that refuses the roles given
                 _settle(p, error=e)
                 continue

@@ -9,32 +9,51 @@ replies: `{"lora_name", "lora_path"}`, a plain-text "Success: ..." or an OpenAI-
 batched continuously: a request joins the running batch at the next decode step and leaves it when its
 reply is done (`mappa.serving.engine.ChatEngine`). `stream=true` answers with server-sent events as the
 OpenAI API does; vLLM's `return_token_ids` and `return_tokens_as_token_ids` are honoured
-(`mappa.serving.api`). Not supported: n > 1, stop sequences, tools; those are rejected with HTTP 400 rather
-than silently ignored. Temperature 0 is greedy decoding; a request's seed makes its sampling reproducible
-whatever it is batched with.
+(`mappa.serving.api`). Not supported: n > 1, stop sequences, tools, and every other field that would change
+the reply (penalties, `response_format`, `chat_template_kwargs`, ...); those are rejected with HTTP 400 naming
+the field rather than silently ignored, and so is a field the server does not know. Temperature 0 is greedy
+decoding; a request's seed makes its sampling reproducible whatever it is batched with.
+
+Limits (`mappa.serving.guard`): with an API key every path but `/health` needs `Authorization: Bearer KEY`
+(401); a body over the size cap is a 413; a prompt that does not fit the model's context is a 400 before any
+work, and `max_tokens` is clamped to the room the prompt leaves; adapters load only from under the adapter
+roots; at most `max_loaded_adapters` are loaded (least recently used unloaded first); a client that hangs up
+has its row taken out of the batch.
 
 In-process use (tests, notebooks): `create_app(policy, base_name)` and `start_server(app)`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from mappa.errors import MappaError
 from mappa.policy import Policy
 from mappa.serving.adapters import ServedPolicy
-from mappa.serving.api import ChatCompletionIn, LoadLoRAIn, UnloadLoRAIn, completion, stream_events
+from mappa.serving.api import (
+    ChatCompletionIn,
+    LoadLoRAIn,
+    UnloadLoRAIn,
+    completion,
+    stream_events,
+    unsupported_field,
+)
 from mappa.serving.engine import ChatEngine, ChatRequest
+from mappa.serving.guard import AdapterRoots, APIKeyMiddleware, BodyLimitMiddleware
 from mappa.types import Message
+
+DEFAULT_CONTEXT = 4096  # for a model whose config names no context length
 
 
 class APIError(Exception):
@@ -49,12 +68,9 @@ def _error(status: int, message: str, type_: str = "invalid_request_error", para
 
 
 def _check_supported(req: ChatCompletionIn) -> None:
-    if req.n != 1:
-        raise APIError(400, "only n=1 is supported by mappa serve", param="n")
-    if req.stop:
-        raise APIError(400, "stop sequences are not supported by mappa serve", param="stop")
-    if req.tools:
-        raise APIError(400, "tools are not supported by mappa serve", param="tools")
+    unsupported = unsupported_field(req)
+    if unsupported is not None:
+        raise APIError(400, unsupported[1], param=unsupported[0])
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
 
@@ -76,6 +92,17 @@ def _messages(req: ChatCompletionIn) -> tuple[Message, ...]:
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What `mappa serve` lets a client do (see the module docstring); the defaults are `mappa serve`'s."""
+
+    api_key: str | None = None  # None or empty: no key asked (the CLI then listens on loopback only)
+    adapter_roots: Sequence[str | os.PathLike] = ()  # none: runtime adapter loading is refused
+    max_loaded_adapters: int = 16
+    max_model_len: int | None = None  # prompt + reply tokens; None: the model's own context length
+    max_body_mib: float = 8.0
+
+
 def create_app(
     policy: Policy,
     base_name: str,
@@ -85,30 +112,62 @@ def create_app(
     default_max_tokens: int = 256,
     prefix_cache_mib: float = 512,
     engine: ChatEngine | None = None,
+    limits: Limits | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `policy`: `base_name` is the base (adapters off), `agents` (default: the
     policy's agents) are served by name with their own weights, adapters loaded at run time by theirs.
     `engine`: anything with ChatEngine's `chat`, `token_text` and `stats` (default: a ChatEngine over the
-    policy; benchmarks pass others; streaming and adapter loading need a ChatEngine)."""
-    served = ServedPolicy(policy, base_name, tuple(policy.agents if agents is None else agents))
+    policy; benchmarks pass others; streaming and adapter loading need a ChatEngine). `limits`: the API key,
+    adapter roots and size limits (`Limits`)."""
+    limits = limits or Limits()
+    agents = tuple(policy.agents if agents is None else agents)
+    served = ServedPolicy(policy, base_name, agents, max_loaded=limits.max_loaded_adapters)
     if engine is None:
         engine = ChatEngine(served, max_batch=max_batch, prefix_cache_mib=prefix_cache_mib)
+    context = context_length(policy, limits.max_model_len)
     app = FastAPI(title="mappa serve", docs_url=None, redoc_url=None)
-    app.state.engine = engine
+    app.state.engine, app.state.served = engine, served
     _add_error_handlers(app)
     _add_info_routes(app, served, engine)
-    _add_adapter_routes(app, served, engine)
-    eos = frozenset(policy.eos_ids)
+    _add_adapter_routes(app, served, engine, AdapterRoots(limits.adapter_roots))
+    _add_chat_route(app, served, engine, default_max_tokens, context)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=int(limits.max_body_mib * 2**20))
+    if limits.api_key:  # added last, so it runs first: nobody without the key gets further
+        app.add_middleware(APIKeyMiddleware, api_key=limits.api_key)
+    return app
+
+
+def context_length(policy: Policy, max_model_len: int | None = None) -> int:
+    """Tokens a prompt and its reply may hold together: `max_model_len` when given, else the model's nominal
+    context (its config's `max_position_embeddings`). A longer `max_model_len` is allowed, as vLLM allows it on
+    request: rotary positions run on past the nominal length, untrained (tiny test models need the room)."""
+    if max_model_len is not None:
+        if max_model_len < 2:
+            raise MappaError(f"--max-model-len must be >= 2 (got {max_model_len})")
+        return max_model_len
+    config = getattr(policy.model, "config", None)
+    for c in (getattr(config, "text_config", None), config):
+        n = getattr(c, "max_position_embeddings", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return DEFAULT_CONTEXT
+
+
+def _add_chat_route(app: FastAPI, served: ServedPolicy, engine: Any, default_max_tokens: int, context: int) -> None:
+    eos = frozenset(served.eos_ids)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionIn) -> Any:
-        request = _chat_request(req, served, default_max_tokens)
+    async def chat_completions(req: ChatCompletionIn, http: Request) -> Any:
+        request = _chat_request(req, served, default_max_tokens, context)
         if req.stream:
-            prompt = list(served.chat_ids(request.messages)) if req.return_token_ids else None
-            events = stream_events(req, engine.chat_stream(request), policy.tokenizer, engine, eos, prompt)
+            # A client that hangs up cancels the stream; `chat_stream` then cancels its row.
+            prompt = list(request.prompt_ids or ()) if req.return_token_ids else None
+            events = stream_events(req, engine.chat_stream(request), served.tokenizer, engine, eos, prompt)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            gen = await engine.chat(request)
+            gen = await _unless_disconnected(http, engine.chat(request))
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it; the row has left the batch
         except MappaError as e:
             raise APIError(400, str(e)) from None
         except Exception as e:  # noqa: BLE001 - reported to the client; the server keeps running
@@ -117,7 +176,33 @@ def create_app(
         # logprobs (json.dumps: 1.5 ms) on the event loop that every other request waits on.
         return JSONResponse(completion(req, gen, engine, eos))
 
-    return app
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """`await work`, cancelled when the client hangs up first (the engine then takes its row out): uvicorn does
+    not cancel a handler whose client is gone, it only reports the disconnect to `receive`."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        raise _ClientGone
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read: the next message the server has for this request is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _add_info_routes(app: FastAPI, served: ServedPolicy, engine: Any) -> None:
@@ -140,9 +225,9 @@ def _add_info_routes(app: FastAPI, served: ServedPolicy, engine: Any) -> None:
         return {"object": "list", "data": data}
 
 
-def _add_adapter_routes(app: FastAPI, served: ServedPolicy, engine: ChatEngine) -> None:
+def _add_adapter_routes(app: FastAPI, served: ServedPolicy, engine: ChatEngine, roots: AdapterRoots) -> None:
     """vLLM's runtime LoRA endpoints. The change runs on the engine's worker between batches, and the
-    name's cached prompt KV goes with the old weights."""
+    name's cached prompt KV goes with the old weights (as does that of adapters unloaded to make room)."""
 
     def forget(name: str) -> None:
         if engine.prefix_cache is not None:
@@ -150,9 +235,14 @@ def _add_adapter_routes(app: FastAPI, served: ServedPolicy, engine: ChatEngine) 
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoRAIn) -> PlainTextResponse:
+        try:
+            path = roots.check(req.lora_path)
+        except MappaError as e:
+            raise APIError(400, str(e), param="lora_path") from None
+
         def load() -> None:
-            served.load(req.lora_name, req.lora_path, replace=req.load_inplace)
-            forget(req.lora_name)
+            for name in [req.lora_name, *served.load(req.lora_name, path, replace=req.load_inplace)]:
+                forget(name)
 
         try:
             await engine.run(load)
@@ -189,22 +279,41 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(400, f"{loc}: {first['msg']}", param=loc or None)
 
 
-def _chat_request(req: ChatCompletionIn, served: ServedPolicy, default_max_tokens: int) -> ChatRequest:
-    """The engine request for a validated body; unsupported options and unknown models are API errors."""
+def _chat_request(req: ChatCompletionIn, served: ServedPolicy, default_max_tokens: int, context: int) -> ChatRequest:
+    """The engine request for a validated body: unsupported options, unknown models and prompts that do not fit
+    the context are API errors; `max_tokens` is clamped to the room the prompt leaves."""
     _check_supported(req)
     try:
         agent = served.resolve(req.model)
     except KeyError:
         names = ", ".join(served.names())
         raise APIError(404, f"model {req.model!r} not found (served: {names})", "not_found_error", "model") from None
+    messages = _messages(req)
+    try:
+        prompt = served.chat_ids(messages)
+    except Exception as e:  # noqa: BLE001 - e.g. a chat template that refuses the roles given
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        raise APIError(
+            400,
+            f"messages: the chat template refused them ({type(e).__name__}: {first})",
+            "invalid_request_error",
+            "messages",
+        ) from None
+    room = context - len(prompt)
+    if room < 1:
+        raise APIError(
+            400, f"messages: the prompt has {len(prompt)} tokens; the model's context is {context}", param="messages"
+        )
+    asked = req.max_completion_tokens or req.max_tokens or default_max_tokens
     return ChatRequest(
         agent=agent,
-        messages=_messages(req),
+        messages=messages,
         temperature=req.temperature,
         top_p=req.top_p,
-        max_tokens=req.max_completion_tokens or req.max_tokens or default_max_tokens,
+        max_tokens=min(asked, room),
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
         seed=req.seed,
+        prompt_ids=tuple(prompt),
     )
 
 
@@ -268,4 +377,4 @@ def served_names(policy: Policy, model: str, adapters: str | None) -> tuple[str,
     return ("base" if base_name in agents else base_name), agents
 
 
-__all__ = ["RunningServer", "bind", "create_app", "served_names", "start_server"]
+__all__ = ["Limits", "RunningServer", "bind", "context_length", "create_app", "served_names", "start_server"]

@@ -63,6 +63,16 @@ def _read_index(root: Path) -> list[dict]:
     return rows
 
 
+def _seal(answer_dir: Path) -> None:
+    """Hidden answers are the trainer's alone (0700/0600), also in a benchmark built or copied with other modes."""
+    if answer_dir.is_dir():
+        os.chmod(answer_dir.parent, 0o700)
+        os.chmod(answer_dir, 0o700)
+        for f in answer_dir.iterdir():
+            if f.is_file() and not f.is_symlink():
+                os.chmod(f, 0o600)
+
+
 def load_dsbench(root: Path, split: Literal["train", "eval"]) -> list[Task]:
     """The tasks of one split, in id order: the problem is the task's description.txt; `meta` holds the task
     directory, the answer file (for scoring only), the metric and the baseline and reference scores."""
@@ -80,6 +90,12 @@ def load_dsbench(root: Path, split: Literal["train", "eval"]) -> list[Task]:
         meta = {k: row[k] for k in REQUIRED_KEYS[2:]} | {k: row.get(k) for k in OPTIONAL_KEYS}
         meta.update(task_dir=str(task_dir), answer_path=str(root / "answers" / row["id"] / "test_answer.csv"))
         problem = (task_dir / "description.txt").read_text(encoding="utf-8")
+        if "\nData: table " in problem:  # written by a build whose descriptions named the source package
+            raise MappaError(
+                f"{task_dir / 'description.txt'}: names the table its labels come from (an earlier build); "
+                f"rebuild: mappa dsbench build --out {root}"
+            )
+        _seal(root / "answers" / row["id"])
         tasks.append(Task(id=row["id"], problem=problem, answer="", source="dsbench", meta=meta))
     return sorted(tasks, key=lambda t: t.id)
 

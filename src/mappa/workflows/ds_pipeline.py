@@ -10,16 +10,20 @@ Every agent after the first is warned about an earlier agent's required file tha
 
 The agents pass work through files: one workspace per episode, shared by every tool call of every agent,
 starts with the task's `train.csv`, `test.csv`, `sample_submission.csv` and `description.txt` (copied from
-`task.meta["task_dir"]`; the answers live elsewhere and never enter it). Each prompt lists the files present,
-which files each earlier agent saved, warns about an earlier agent's required file that is missing, and
-gives the earlier agents' final messages with their reasoning blocks removed. Every ```python block of an
+`task.meta["task_dir"]`; the answers live elsewhere and never enter it). Each prompt lists the files present
+and which files each earlier agent saved, warns about an earlier agent's required file that is missing, and
+gives the earlier agents' final messages with their reasoning blocks removed. A file list, in a prompt or in
+the coach's evidence, shows at most `mappa.tasks.files.MAX_LISTED` names (the required files present always
+among them), then how many more. Every ```python block of an
 action is joined into one snippet that runs in the workspace; the output comes back as
 `<tool_response>...</tool_response>` together with the files now present. An agent stops at an action
 without code, at its turn cap, or once its code ran cleanly and all its required files exist (its job is
 done; the paper's agents stop only at the first two, which costs turns the demo cannot afford).
 
-`Episode.correct` is a valid `submission.csv` (`mappa.tasks.tabular.score_submission`); `Episode.meta`
-holds the scores (`submission`: valid, reason, metric, score, gap, reference_fraction) and the required
+`Episode.correct` is a valid `submission.csv` (`mappa.tasks.tabular.score_submission`, which reads it as an
+agent file: a link, a FIFO or an oversized file is an invalid submission with its reason); `Episode.meta`
+holds the scores (`submission`: valid, reason, metric, score, gap, reference_fraction, and `paper`, the
+paper's fair figures: `mappa.tasks.dsbench.metrics.paper_figures`, fallbacks for a failed run) and the required
 files missing at the end (`missing_files`). The coach's evidence (`Action.evidence`, recorded live so a
 replay rebuilds it) is the file list before and after the action and the files each earlier agent saved;
 for the Analyst also the test-set evaluation of `submission.csv` as the action left it, the target's
@@ -42,6 +46,7 @@ from mappa.protocols import ProgressFn, Runtime
 from mappa.sandbox.codeblocks import extract_code_blocks, format_observation
 from mappa.sandbox.workspace import snapshot
 from mappa.tasks.answers import without_reasoning
+from mappa.tasks.files import bounded_names
 from mappa.types import Action, CoachContext, Episode, ExecResult, Message, Task
 from mappa.workflows.base import (
     AgentSpec,
@@ -60,8 +65,8 @@ _TEAM = (
     "tabular task by passing files through one shared folder"
 )
 _TOOLS = (
-    "Write Python in a ```python block: it runs in the shared folder (pandas, numpy and scikit-learn are "
-    "installed, no internet) and its output comes back to you in <tool_response>. You can run code {turns} "
+    "Write Python in a ```python block: it runs in the shared folder (numpy, pandas, scipy and scikit-learn "
+    "are installed, no internet) and its output comes back to you in <tool_response>. You can run code {turns} "
     "time(s); reply without a code block when you are done. Keep it short: each reply is cut off after {budget} "
     "tokens."
 )
@@ -117,6 +122,8 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     MODELER.name: ("model.pkl",),
     ANALYST.name: ("submission.csv",),
 }
+# File lists in prompts and evidence are bounded (`bounded_names`) but always show the required files present.
+ALWAYS_LISTED = tuple(f for files in REQUIRED.values() for f in files)
 
 # The task restated at the end of each first prompt: small models follow the last instruction they read.
 ASK = {
@@ -145,6 +152,12 @@ def visible_files(workspace: Path) -> tuple[str, ...]:
 
 def _visible(name: str) -> bool:
     return not any(part.startswith(".") or part == "__pycache__" for part in Path(name).parts)
+
+
+def listed(names: Sequence[str]) -> list[str]:
+    """`names` as a prompt or the coach's evidence shows them: at most `MAX_LISTED`, the required files present
+    always among them."""
+    return bounded_names(names, keep=ALWAYS_LISTED)
 
 
 def saved_files(result: ExecResult | None) -> tuple[str, ...]:
@@ -270,6 +283,7 @@ class DsPipeline:
         self.specs = tuple(dataclasses.replace(s, max_turns=cfg.ds_max_turns) for s in SPECS)
         self.agents = tuple(s.name for s in self.specs)
         self._targets: dict[str, dict[str, Any]] = {}  # task id -> target statistics (train.csv read once)
+        self._train_targets: dict[str, list[Any]] = {}  # task id -> train.csv's target column (read once)
 
     def role(self, spec: AgentSpec) -> str:
         return spec.role.format(budget=self.gen.max_new_tokens, turns=spec.max_turns)
@@ -283,7 +297,7 @@ class DsPipeline:
     # ---------------------------------------------------------------------------------------------- prompts
     def first_prompt(self, spec: AgentSpec, task: Task, files: Sequence[str], team: Team, budget: int | None) -> str:
         """The agent's first user turn: the task, the files present, what earlier agents saved and said."""
-        lines = [f"Task description:\n{task.problem.strip()}", f"Files in the folder: {', '.join(files)}"]
+        lines = [f"Task description:\n{task.problem.strip()}", f"Files in the folder: {', '.join(listed(files))}"]
         for agent, saved in team.saved.items():
             lines.append(f"Saved by the {self.spec(agent).title}: {', '.join(saved) or 'nothing'}")
         owed: dict[str, list[str]] = {}
@@ -324,15 +338,16 @@ class DsPipeline:
         missing = [f for f in REQUIRED[spec.name] if f not in files]
         still = f"\nStill missing: {', '.join(missing)}" if missing else ""
         observation = format_observation(result, self.observation_chars)
-        return f"<tool_response>\n{observation}\n\nFiles in the folder: {', '.join(files)}{still}\n</tool_response>"
+        shown = ", ".join(listed(files))
+        return f"<tool_response>\n{observation}\n\nFiles in the folder: {shown}{still}\n</tool_response>"
 
     # ------------------------------------------------------------------------------------------------- coach
     def evidence(self, spec: AgentSpec, state: EpisodeState, before: Sequence[str], team: Team) -> dict[str, Any]:
         """What the coach sees of an action beyond its messages, taken right after its code ran."""
         ev: dict[str, Any] = {
-            "files_before": list(before),
-            "files_after": list(visible_files(state.workspace)),
-            "files_by_agent": {agent: list(files) for agent, files in team.saved.items()},
+            "files_before": listed(before),
+            "files_after": listed(visible_files(state.workspace)),
+            "files_by_agent": {agent: listed(files) for agent, files in team.saved.items()},
             "missing_upstream": missing_upstream(spec.name, before),
         }
         if spec.name == ANALYST.name:
@@ -355,6 +370,30 @@ class DsPipeline:
             "reference_score": meta.get("reference_score"),
         }
 
+    def paper_figures(self, task: Task, submission: Path, valid: bool) -> dict[str, float]:
+        """The paper's figures of an episode's submission (`mappa.tasks.dsbench.metrics.paper_figures`), or the
+        fair fallbacks when it is invalid; {} when the task's own files cannot give them (they are a report's,
+        never a reason to stop an episode)."""
+        from mappa.tasks.dsbench.metrics import CLASSIFICATION_METRICS, fallback_figures, paper_figures
+        from mappa.tasks.dsbench.submission import canonical, read_submission, read_text_csv
+
+        meta = task.meta
+        metric, target = str(meta.get("metric", "")), meta.get("target")
+        try:
+            if task.id not in self._train_targets:
+                column = read_text_csv(Path(meta["task_dir"]) / "train.csv", "train.csv")[target]
+                values = [canonical(v) for v in column if v.strip()]
+                self._train_targets[task.id] = values if metric in CLASSIFICATION_METRICS else list(map(float, values))
+            y_train = self._train_targets[task.id]
+            if valid:
+                y_true, y_pred, labels = read_submission(task, submission)
+                return paper_figures(metric, y_true, y_pred, y_train, labels)
+            answers = read_text_csv(Path(meta["answer_path"]), "answer file")[target]
+            y_true = list(answers) if metric in CLASSIFICATION_METRICS else [float(v) for v in answers]
+            return fallback_figures(metric, y_true, y_train)
+        except Exception:  # noqa: BLE001 - a task whose files do not give the figures has none
+            return {}
+
     def target_statistics(self, task: Task) -> dict[str, Any]:
         if task.id not in self._targets:
             self._targets[task.id] = target_statistics(task)
@@ -369,8 +408,8 @@ class DsPipeline:
         extra: dict[str, Any] = {
             "tools": list(spec.tools),
             "required_files": list(REQUIRED[spec.name]),
-            "files_after": list(ev.get("files_after", ())),
-            "files_saved": list(saved_files(result)),
+            "files_after": listed(ev.get("files_after", ())),
+            "files_saved": listed(saved_files(result)),
             "missing_upstream": dict(ev.get("missing_upstream", {})),
         }
         extra.update(
@@ -386,8 +425,8 @@ class DsPipeline:
             output=action.text,
             exec_result=result,
             observation="" if result is None else format_observation(result, self.observation_chars),
-            files_visible=tuple(ev.get("files_before", ())),
-            files_by_agent={agent: tuple(files) for agent, files in ev.get("files_by_agent", {}).items()},
+            files_visible=tuple(listed(ev.get("files_before", ()))),
+            files_by_agent={agent: tuple(listed(files)) for agent, files in ev.get("files_by_agent", {}).items()},
             extra=extra,
         )
 
@@ -467,7 +506,7 @@ class DsPipeline:
         for s in states:
             if id(s) in final:
                 teams[id(s)].finals[spec.name] = without_reasoning(final[id(s)].text).strip()
-                teams[id(s)].saved[spec.name] = tuple(dict.fromkeys(saved[id(s)]))
+                teams[id(s)].saved[spec.name] = tuple(listed(list(dict.fromkeys(saved[id(s)]))))
 
     def _play(self, batch: Batch, outcomes: dict[str, dict[str, Any]]) -> None:
         for s in batch.states:
@@ -481,8 +520,10 @@ class DsPipeline:
             self._agent(batch, spec, live, teams)
         for s in batch.states:  # scored while the workspaces still exist
             files = visible_files(s.workspace)
+            test = self.test_evaluation(s)
             outcomes[s.id] = {
-                "submission": self.test_evaluation(s),
+                "submission": test,
+                "paper": self.paper_figures(s.task, s.workspace / "submission.csv", bool(test["valid"])),
                 "missing_files": [f for agent in self.agents for f in REQUIRED[agent] if f not in files],
                 "submitted": "submission.csv" in files,
             }
@@ -496,6 +537,7 @@ class DsPipeline:
         else:
             final_answer = f"invalid submission: {test['reason']}"
         submission = {k: test[k] for k in ("valid", "reason", "metric", "score", "gap", "reference_fraction")}
+        submission["paper"] = outcome["paper"]  # the paper's fair figures (fallbacks when invalid)
         meta = {**episode_meta(s, self.keep_workspaces), "submission": submission}
         meta["missing_files"] = outcome["missing_files"]
         return Episode(

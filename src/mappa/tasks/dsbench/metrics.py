@@ -126,3 +126,101 @@ def trivial_prediction(name: str, y_train: Sequence[Any]) -> Any:
     if name == "rmsle":
         return float(np.expm1(np.log1p(y).mean()))
     return float(y.mean())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The paper's data-science figures (method.md section 5), to set beside DSBench's gap: accuracy and F1 for
+# classification, RMSE as a percentage of the target's range and of its interquartile range for regression.
+# "Fair": a failed run (no valid submission) counts with a fallback value instead of being left out.
+
+FAIR_ACCURACY_FALLBACK = 0.5  # chance accuracy, the paper's fallback
+FAIR_F1_FALLBACK = 0.0  # a run that predicts nothing finds none of the positive class
+# RMSE's fallback is the trivial prediction's (the training mean on every row), in % of range and IQR: a failed
+# run counts as no better than ignoring the features, as DSBench's gap counts it (`fallback_figures`).
+PAPER_FIGURES = ("accuracy", "f1", "rmse_range_pct", "rmse_iqr_pct")
+
+
+def _label_key(label: Any) -> tuple[int, float, str]:
+    """Labels in numeric order where they are numbers ("10" after "9"), else by text."""
+    try:
+        return 0, float(label), ""
+    except (TypeError, ValueError):
+        return 1, 0.0, str(label)
+
+
+def predicted_labels(metric: str, y_pred: Any, classes: Sequence[Any]) -> np.ndarray:
+    """One class label per row from a submission: labels as they are; a binary probability of the positive
+    class (the greater label, as `roc_auc` reads it) at 0.5; a row of class probabilities (columns in the order
+    of `classes`) by its largest entry."""
+    values = np.asarray(y_pred)
+    if metric in LABEL_METRICS:
+        return values
+    ordered = sorted(classes, key=_label_key)
+    if values.ndim == 2:
+        return np.asarray(list(classes), dtype=object)[values.argmax(axis=1)]
+    return np.where(values.astype(float) >= 0.5, ordered[-1], ordered[0])
+
+
+def classification_figures(y_true: Sequence[Any], labels: Sequence[Any], classes: Sequence[Any]) -> dict[str, float]:
+    """Accuracy and F1 of predicted `labels`: with two classes the F1 of the positive one (the greater label:
+    the task's class of interest, recoded to 1 by the build), else the macro F1 over `classes`."""
+    truth, pred = np.asarray(y_true, dtype=object), np.asarray(labels, dtype=object)
+    ordered = sorted(classes, key=_label_key)
+    if len(ordered) == 2:
+        f1 = skm.f1_score(truth, pred, labels=[ordered[-1]], average="macro", zero_division=0.0)
+    else:
+        f1 = skm.f1_score(truth, pred, labels=ordered, average="macro", zero_division=0.0)
+    return {"accuracy": float(skm.accuracy_score(truth, pred)), "f1": float(f1)}
+
+
+def regression_figures(y_true: Any, y_pred: Any, y_train: Any) -> dict[str, float]:
+    """RMSE in % of the training target's range and of its IQR (the spread the coach's rubric also reads);
+    NaN where that spread is 0."""
+    rmse = float(np.sqrt(np.mean((np.asarray(y_pred, dtype=float) - np.asarray(y_true, dtype=float)) ** 2)))
+    train = np.asarray(y_train, dtype=float)
+    spread = {"range": float(train.max() - train.min()), "iqr": float(np.subtract(*np.percentile(train, [75, 25])))}
+    return {f"rmse_{k}_pct": 100.0 * rmse / v if v > 0 else float("nan") for k, v in spread.items()}
+
+
+def paper_figures(
+    metric: str, y_true: Any, y_pred: Any, y_train: Any, labels: Sequence[Any] | None = None
+) -> dict[str, float]:
+    """The paper's figures of one valid submission (`y_true`, `y_pred` as `score_metric` takes them; `labels`:
+    the class order of multiclass probability columns): classification or regression by the task's metric."""
+    _entry(metric)
+    if metric in CLASSIFICATION_METRICS:
+        truth = [str(v) for v in _as_labels(y_true)]
+        classes = [str(c) for c in (labels or sorted({*truth, *map(str, _as_labels(y_train))}, key=_label_key))]
+        pred = [str(v) for v in _as_labels(predicted_labels(metric, y_pred, classes))]
+        return classification_figures(truth, pred, classes)
+    return regression_figures(y_true, y_pred, y_train)
+
+
+def fallback_figures(metric: str, y_true: Any, y_train: Any) -> dict[str, float]:
+    """The figures a failed run counts with: chance accuracy, F1 0, and the trivial prediction's RMSE."""
+    _entry(metric)
+    if metric in CLASSIFICATION_METRICS:
+        return {"accuracy": FAIR_ACCURACY_FALLBACK, "f1": FAIR_F1_FALLBACK}
+    trivial = np.full(len(y_true), float(np.mean(np.asarray(y_train, dtype=float))))
+    return regression_figures(y_true, trivial, y_train)
+
+
+def _as_labels(values: Any) -> list[Any]:
+    """Labels compared as text: integral numbers without a decimal part (1.0 and "1" are one class)."""
+    out = []
+    for v in np.asarray(values, dtype=object).tolist():
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        out.append(v)
+    return out
+
+
+def fair_means(figures: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The mean of each paper figure over the episodes that have it (failed runs hold their fallbacks, so
+    nothing is dropped); NaN entries (a target without spread) are left out of their mean."""
+    out = {}
+    for key in PAPER_FIGURES:
+        values = [f[key] for f in figures if key in f and not np.isnan(f[key])]
+        if values:
+            out[key] = float(np.mean(values))
+    return out

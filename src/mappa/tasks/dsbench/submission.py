@@ -1,29 +1,46 @@
 """Reading and scoring a task's `submission.csv`: a bad file is a failure with its reason, never an exception.
 
-Checked, in order, each with a one-line reason: the file exists, is a CSV with a header, has the columns of
-`sample_submission.csv`, one row per id of `test.csv` (no duplicate, missing or unknown id), no empty or NaN
-prediction, numbers where numbers are due (probabilities within [0, 1] for `log_loss`, >= 0 for `rmsle`,
-integers for `qwk`). Multiclass `log_loss` rows (non-negative) are rescaled to sum to 1, as Kaggle does.
+Checked, in order, each with a one-line reason: the file is a regular file of the workspace, read as an agent
+file (`mappa.tasks.files`: no link followed, no FIFO or device opened, at most `max_submission_bytes`); its
+header line alone (of bounded length) has the columns of `sample_submission.csv`, and only then are rows
+parsed, at most one more than `test.csv` has; one row per id of `test.csv` (no duplicate, missing or unknown
+id), no empty or NaN prediction, numbers where numbers are due (probabilities within [0, 1] for `log_loss`,
+>= 0 for `rmsle`, integers for `qwk`). Multiclass `log_loss` rows (non-negative) are rescaled to sum to 1,
+as Kaggle does.
 
 Values are read as text and compared in one canonical form, so `1`, `1.0` and ` 1` are the same id or label.
+A reason quotes nothing of the file but its header's names (cut short); a bad value is named by its row or id.
 """
 
 from __future__ import annotations
 
+import csv
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pandas as pd
 
+from mappa.errors import MappaError
 from mappa.tasks.dsbench.metrics import (
     LABEL_METRICS,
     reference_fraction,
     relative_gap,
     score_metric,
 )
+from mappa.tasks.files import AgentFileError, open_agent_file, shown
 from mappa.types import Task
+
+logger = logging.getLogger(__name__)
+
+# A submission larger than this is refused before it is parsed: 1 MiB plus 128 bytes per expected cell (a
+# probability written with full precision takes about 20).
+MIN_SUBMISSION_BYTES = 1 << 20
+BYTES_PER_CELL = 128
+MIN_HEADER_BYTES = 1024  # plus four times the expected header's length
 
 
 @dataclass(frozen=True)
@@ -52,45 +69,105 @@ def canonical(value: str) -> str:
     return repr(number)
 
 
-def read_text_csv(path: Path, what: str) -> pd.DataFrame:
-    """A CSV with every cell as text (nothing turned into NaN), header names stripped."""
+def read_text_csv(path: Path, what: str, nrows: int | None = None) -> pd.DataFrame:
+    """A CSV of the task's own (trusted) files with every cell as text (nothing turned into NaN), header names
+    stripped. Agent files are read with `read_agent_csv` instead."""
     if not path.is_file():
         raise SubmissionError(f"no {what} (expected {path.name} in the workspace)")
     try:
-        frame = pd.read_csv(path, dtype=str, keep_default_na=False)
+        frame = pd.read_csv(path, dtype=str, keep_default_na=False, nrows=nrows)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, ValueError) as e:
         raise SubmissionError(f"{what} is not a readable CSV ({str(e).splitlines()[0][:120]})") from None
     frame.columns = [str(c).strip() for c in frame.columns]
     return frame
 
 
-def _check_columns(frame: pd.DataFrame, expected: list[str]) -> None:
-    missing = [c for c in expected if c not in frame.columns]
-    extra = [c for c in frame.columns if c not in expected]
-    if missing or extra:
-        problems = [f"missing column(s) {', '.join(missing)}"] if missing else []
-        problems += [f"unexpected column(s) {', '.join(extra)}"] if extra else []
-        raise SubmissionError(f"{'; '.join(problems)} (expected: {', '.join(expected)})")
-    if frame.columns.duplicated().any():
+def max_submission_bytes(n_rows: int, n_columns: int) -> int:
+    """The largest submission read for `n_rows` ids and `n_columns` columns: a generous size per cell."""
+    return MIN_SUBMISSION_BYTES + (n_rows + 1) * n_columns * BYTES_PER_CELL
+
+
+def _names(names: list[str]) -> str:
+    """Header names for a reason: each shown on one line and cut, at most a few, then how many more."""
+    listed = [repr(shown(n, 40)) if n != n.strip() or "," in n or not n else shown(n, 40) for n in names[:5]]
+    return ", ".join(listed) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _check_columns(got: list[str], expected: list[str]) -> None:
+    if len(set(got)) != len(got):
         raise SubmissionError(f"duplicate column names (expected: {', '.join(expected)})")
+    missing = [c for c in expected if c not in got]
+    extra = [c for c in got if c not in expected]
+    if missing or extra:
+        problems = [f"missing column(s) {_names(missing)}"] if missing else []
+        problems += [f"unexpected column(s) {_names(extra)}"] if extra else []
+        raise SubmissionError(f"{'; '.join(problems)} (expected: {', '.join(expected)})")
+
+
+def _header(f: BinaryIO, expected: list[str]) -> None:
+    """Check the header line against `expected` before any of the body is parsed."""
+    limit = MIN_HEADER_BYTES + 4 * len(",".join(expected).encode())
+    line = f.readline(limit + 1)
+    if not line.strip():
+        raise SubmissionError("submission.csv is not a readable CSV (no header line)")
+    if len(line) > limit:
+        raise SubmissionError(f"submission.csv's header line is longer than {limit:,} bytes")
+    try:
+        text = line.decode("utf-8-sig").rstrip("\r\n")
+    except UnicodeDecodeError:
+        raise SubmissionError("submission.csv is not a readable CSV (its header is not UTF-8)") from None
+    if not text.replace("\t", " ").isprintable():
+        raise SubmissionError("submission.csv is not a readable CSV (control characters in its header line)")
+    try:
+        got = next(csv.reader([text]), [])
+    except csv.Error:
+        raise SubmissionError("submission.csv is not a readable CSV (a malformed header line)") from None
+    _check_columns([c.strip() for c in got], expected)
+
+
+def read_agent_csv(path: Path, expected: list[str], n_rows: int) -> pd.DataFrame:
+    """The agent's CSV at `path` as text cells: opened as an agent file (`mappa.tasks.files`) of a bounded size,
+    its header checked against `expected` first, then at most `n_rows` + 1 rows parsed."""
+    cap = max_submission_bytes(n_rows, len(expected))
+    try:
+        with open_agent_file(path.parent, path.name, cap) as f:
+            _header(f, expected)
+            f.seek(0)
+            frame = pd.read_csv(f, dtype=str, keep_default_na=False, nrows=n_rows + 1, encoding="utf-8")
+    except AgentFileError as e:
+        missing = f"no submission.csv (expected {shown(path.name, 40)} in the workspace)"
+        raise SubmissionError(missing if e.kind == "missing" else str(e)) from None
+    except (pd.errors.ParserError, pd.errors.EmptyDataError) as e:  # the C parser's messages quote no content
+        raise SubmissionError(f"submission.csv is not a readable CSV ({shown(str(e).splitlines()[0], 120)})") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise SubmissionError(f"submission.csv is not a readable CSV ({type(e).__name__})") from None
+    frame.columns = [str(c).strip() for c in frame.columns]
+    _check_columns(list(frame.columns), expected)
+    return frame
 
 
 def _align(frame: pd.DataFrame, id_column: str, ids: list[str]) -> pd.DataFrame:
-    """The submission's rows in the order of `ids`, after checking they are exactly those ids."""
+    """The submission's rows in the order of `ids`, after checking they are exactly those ids. Reasons name rows
+    (1 = the first row after the header), never the submission's values."""
     if len(frame) != len(ids):
-        raise SubmissionError(f"{len(frame)} rows, expected {len(ids)} (one per id of test.csv)")
-    got = frame[id_column].map(canonical)
-    duplicated = got[got.duplicated()]
-    if len(duplicated):
-        raise SubmissionError(f"{len(duplicated)} duplicate id(s) in {id_column}, e.g. {duplicated.iloc[0]!r}")
-    missing = sorted(set(ids) - set(got))
-    if missing:
-        unknown = sorted(set(got) - set(ids))
+        count = f"more than {len(ids)}" if len(frame) > len(ids) else str(len(frame))
+        raise SubmissionError(f"{count} rows, expected {len(ids)} (one per id of test.csv)")
+    got = frame[id_column].map(canonical).tolist()
+    first: dict[str, int] = {}
+    duplicated = [i for i, v in enumerate(got) if first.setdefault(v, i) != i]
+    if duplicated:
         raise SubmissionError(
-            f"ids in {id_column} do not match test.csv: {len(missing)} missing (e.g. {missing[0]!r}), "
-            f"{len(unknown)} unknown (e.g. {unknown[0]!r})"
+            f"{len(duplicated)} duplicate id(s) in {id_column}, the first at row {duplicated[0] + 1}"
         )
-    return frame.set_index(got).loc[ids]
+    known = set(ids)
+    missing = known - first.keys()
+    if missing:  # as many rows as ids, none twice: as many unknown ids as missing ones
+        row = next(i for i, v in enumerate(got) if v not in known)
+        raise SubmissionError(
+            f"ids in {id_column} do not match test.csv: {len(missing)} missing, {len(missing)} unknown "
+            f"(the first at row {row + 1})"
+        )
+    return frame.set_index(pd.Index(got)).loc[ids]
 
 
 def _numbers(column: pd.Series, name: str) -> np.ndarray:
@@ -101,7 +178,7 @@ def _numbers(column: pd.Series, name: str) -> np.ndarray:
     values = pd.to_numeric(text, errors="coerce")
     bad = text[values.isna()]
     if len(bad):
-        raise SubmissionError(f"non-numeric value(s) in column {name}, e.g. {bad.iloc[0][:40]!r}")
+        raise SubmissionError(f"{len(bad)} non-numeric value(s) in column {name}, e.g. for id {bad.index[0]}")
     array = values.to_numpy(dtype=float)
     if not np.isfinite(array).all():
         raise SubmissionError(f"infinite value(s) in column {name}")
@@ -117,9 +194,9 @@ def _labels(column: pd.Series, name: str) -> np.ndarray:
 
 
 def _integers(labels: np.ndarray, name: str) -> np.ndarray:
-    bad = [v for v in labels if not v.lstrip("-").isdigit()]
-    if bad:
-        raise SubmissionError(f"qwk takes integer class labels; column {name} holds {bad[0][:40]!r}")
+    bad = [not v.lstrip("-").isdigit() or len(v) > 18 for v in labels]
+    if any(bad):
+        raise SubmissionError(f"qwk takes integer class labels; column {name} holds {sum(bad)} other value(s)")
     return labels.astype(np.int64)
 
 
@@ -154,12 +231,11 @@ def read_submission(task: Task, submission: Path) -> tuple[np.ndarray, np.ndarra
     """(y_true, y_pred, class order) of a submission, aligned on the ids; SubmissionError says what is wrong."""
     meta = task.meta
     metric, target, id_column = meta["metric"], meta["target"], meta["id_column"]
-    expected = list(read_text_csv(Path(meta["task_dir"]) / "sample_submission.csv", "sample_submission.csv").columns)
+    sample = read_text_csv(Path(meta["task_dir"]) / "sample_submission.csv", "sample_submission.csv", nrows=0)
+    expected = list(sample.columns)
     answers = read_text_csv(Path(meta["answer_path"]), "answer file")
     ids = answers[id_column].map(canonical).tolist()
-    frame = read_text_csv(Path(submission), "submission.csv")
-    _check_columns(frame, expected)
-    frame = _align(frame, id_column, ids)
+    frame = _align(read_agent_csv(Path(submission), expected, len(ids)), id_column, ids)
     classes = [c for c in expected if c != id_column] if target not in expected else []
     y_pred = _predictions(frame, metric, target, classes)
     truth = answers[target].map(canonical).to_numpy(dtype=object)
@@ -182,10 +258,12 @@ def score_submission(task: Task, submission: Path) -> SubmissionScore:
     try:
         y_true, y_pred, labels = read_submission(task, Path(submission))
         score = score_metric(metric, y_true, y_pred, labels=labels)
-    except SubmissionError as e:
+    except (SubmissionError, MappaError) as e:  # reasons written here, quoting no file but the header
         return _invalid(metric, str(e))
-    except Exception as e:  # noqa: BLE001 - a submission must never crash the caller; the reason is kept
-        return _invalid(metric, f"could not be scored: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    except Exception as e:  # noqa: BLE001 - a submission must never crash the caller
+        # A library's message may quote the answers or the file: the reason names the error only.
+        logger.debug("submission could not be scored", exc_info=True)
+        return _invalid(metric, f"could not be scored ({type(e).__name__} while computing {metric})")
     if not math.isfinite(score):
         return _invalid(metric, f"{metric} is not finite ({score})")
     baseline, reference = float(task.meta["baseline_score"]), float(task.meta["reference_score"])

@@ -1,0 +1,199 @@
+"""Comparisons of arms trained on several seeds: the interval over seeds holds the seed-to-seed variation that
+the per-task interval leaves out, one seed says so, and every figure names the coach it came from. Synthetic run
+directories whose per-seed accuracies are set exactly."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from test_analysis import make_episode, write_run
+from test_cli import mappa
+
+from mappa.analysis.compare import coach_label, compare_arms, group_arms, seed_gain
+from mappa.analysis.runs import RunData, load_run
+from mappa.analysis.sections import Plots, comparison
+from mappa.analysis.stats import paired_t_power, t_interval, welch_interval
+
+TASKS = 40
+
+
+def episodes(correct: int) -> list:
+    """Two steps of TASKS episodes each; the last step (the final evaluation) has `correct` right answers on the
+    first tasks, so two arms of one seed are paired task by task."""
+    return [make_episode(i, step, i < correct, (5.0, 5.0, 5.0)) for step in (1, 2) for i in range(TASKS)]
+
+
+def arm_runs(root: Path, arm: str, correct: dict[int, int], **cfg) -> list[RunData]:
+    return [load_run(write_run(root / f"{arm}-seed{s}", episodes(k), seed=s, **cfg)) for s, k in correct.items()]
+
+
+REF = {42: 12, 43: 20, 44: 28}  # 30%, 50%, 70%: the seed moves accuracy a lot
+
+
+# ---------------------------------------------------------------------------------------------------- statistics
+def test_t_interval_uses_student_quantiles_and_needs_two_values() -> None:
+    from scipy.stats import t
+
+    m, (lo, hi) = t_interval([0.1, 0.3, 0.2])
+    assert m == pytest.approx(0.2) and hi - lo == pytest.approx(2 * t.ppf(0.975, 2) * 0.1 / math.sqrt(3))
+    assert math.isnan(t_interval([0.1])[1][0])
+    d, (lo, hi) = welch_interval([0.1, 0.2, 0.3], [0.4, 0.5, 0.6])
+    assert d == pytest.approx(0.3) and lo < 0.3 < hi
+
+
+def test_power_grows_with_seeds_and_is_alpha_without_a_gap() -> None:
+    assert paired_t_power(0.0, 1.0, 10) == pytest.approx(0.05, abs=1e-9)
+    assert paired_t_power(1.0, 2.0, 5) < paired_t_power(1.0, 2.0, 20) < paired_t_power(1.0, 2.0, 60)
+
+
+# ---------------------------------------------------------------------------------------------------- arms
+def test_seed_interval_is_wider_than_the_per_task_one_when_seeds_vary(tmp_path: Path) -> None:
+    """Gains of +30, -20, +10 pp across seeds: the pooled per-task interval looks tight, the seed one does not."""
+    runs = arm_runs(tmp_path, "process", REF) + arm_runs(
+        tmp_path, "outcome", {42: 24, 43: 12, 44: 32}, coach={"backend": "outcome"}
+    )
+    (ref, none), (other, gain) = compare_arms(runs)
+    assert none is None and [ref.name, other.name] == ["process", "outcome"]
+    assert other.differs == "coach.backend=outcome" and len(ref.runs) == len(other.runs) == 3
+    assert gain is not None and gain.paired and gain.seeds == (42, 43, 44) and not gain.one_seed
+    assert gain.per_seed == pytest.approx((0.3, -0.2, 0.1))
+    mean, (lo, hi) = gain.over_seeds
+    assert mean == pytest.approx(gain.per_task.gain) == pytest.approx(0.2 / 3)
+    task_lo, task_hi = gain.per_task.gain_ci
+    assert gain.per_task.paired and gain.per_task.n_after == 3 * TASKS
+    assert hi - lo > 3 * (task_hi - task_lo) and lo < 0 < hi
+    with Plots() as plots:
+        html = comparison(runs, plots)  # the report's comparison section: the same two figures
+    assert "over 3 seeds" in html and "seed variation left out" in html and "leaves out the variation" not in html
+
+
+def test_consistent_gains_over_seeds_are_told_from_noise(tmp_path: Path) -> None:
+    runs = arm_runs(tmp_path, "a", REF) + arm_runs(
+        tmp_path, "b", {42: 20, 43: 29, 44: 35}, coach={"backend": "outcome"}
+    )
+    gain = compare_arms(runs)[1][1]
+    assert gain is not None and gain.over_seeds[1][0] > 0  # +20, +22.5, +17.5 pp on every seed
+
+
+def test_arms_on_different_seeds_are_compared_unpaired() -> None:
+    ref = {s: episodes(k)[TASKS:] for s, k in REF.items()}
+    other = {s + 10: episodes(k)[TASKS:] for s, k in REF.items()}
+    gain = seed_gain(ref, other)
+    assert not gain.paired and gain.over_seeds[0] == pytest.approx(0.0) and len(gain.seeds) == 6
+
+
+def test_runs_group_into_arms_by_every_setting_but_the_seed(tmp_path: Path) -> None:
+    runs = arm_runs(tmp_path, "x", {42: 1, 43: 2}) + arm_runs(tmp_path, "y", {42: 1}, train={"steps": 7})
+    arms = group_arms(runs)
+    assert [a.name for a in arms] == ["x", "y"] and arms[1].differs == "train.steps=7"
+
+
+# ---------------------------------------------------------------------------------------------------- the coach
+@pytest.mark.parametrize(
+    ("coach", "words"),
+    [
+        ({}, "rule-based process rewards (rubric coach)"),
+        ({"backend": "outcome"}, "outcome-only rewards"),
+        ({"backend": "openai", "model": "gpt-4o-mini", "base_url": "http://h:8000/v1"}, "LLM coach gpt-4o-mini"),
+        ({"backend": "local", "model": "smollm2-135m-instruct"}, "LLM coach smollm2-135m-instruct (in-process)"),
+    ],
+)
+def test_the_coach_is_named_from_the_config(coach: dict, words: str) -> None:
+    assert words in coach_label({"coach": coach} if coach else {})
+
+
+# ---------------------------------------------------------------------------------------------------- output
+def test_compare_command_gives_the_seed_interval_and_names_the_coach(tmp_path: Path) -> None:
+    arm_runs(tmp_path, "process", REF)
+    arm_runs(tmp_path, "llm", {42: 24, 43: 12, 44: 32}, coach={"backend": "openai", "model": "judge-7b"})
+    dirs = [str(tmp_path / f"{arm}-seed{s}") for arm in ("process", "llm") for s in REF]
+    proc = mappa("compare", *dirs, "--json", str(tmp_path / "c.json"))
+    assert proc.returncode == 0, proc.stderr
+    out = " ".join(proc.stdout.split())
+    assert "over 3 seeds" in out and "rule-based process rewards (rubric coach)" in out
+    assert "LLM coach judge-7b" in out and "seed variation left" in out and "WARNING" not in out
+    rows = json.loads((tmp_path / "c.json").read_text())
+    assert {r["arm"] for r in rows} == {"process", "llm"} and all(r["coach"] for r in rows)
+    assert sum(r["arm_vs_first"] is not None for r in rows) == 3
+
+
+def test_one_seed_says_the_interval_leaves_seed_variation_out(tmp_path: Path) -> None:
+    a = arm_runs(tmp_path, "process", {42: 12})
+    b = arm_runs(tmp_path, "outcome", {42: 20}, coach={"backend": "outcome"})
+    gain = compare_arms(a + b)[1][1]
+    assert gain is not None and gain.one_seed and gain.seeds == (42,)
+    proc = mappa("compare", str(tmp_path / "process-seed42"), str(tmp_path / "outcome-seed42"))
+    assert proc.returncode == 0, proc.stderr
+    out = " ".join(proc.stdout.split())
+    assert "WARNING: one seed per arm" in out and "leaves out the variation between training seeds" in out
+    with Plots() as plots:
+        html = comparison(a + b, plots)
+    assert "leaves out the variation between training seeds" in html and "rubric coach" in html
+
+
+# ---------------------------------------------------------------------------------------------------- the benchmark
+@pytest.fixture(scope="module")
+def bench():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_process_vs_outcome.py"
+    spec = importlib.util.spec_from_file_location("bench_pvo_seeds", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_bench_prints_its_power_calculation(bench, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = bench.main(["--power-only"])["power"]
+    out = capsys.readouterr().out
+    assert plan["gap"] == pytest.approx(1 / 32) and plan["power"] >= 0.8 and plan["steps"] == 3
+    assert f"{plan['seeds']} seeds x {plan['tasks']} held-out tasks x 3 steps" in out and "this run: 3 seeds" in out
+    bigger = bench.main(["--power-only", "--gap", "6"])["power"]  # a larger gap needs fewer seeds
+    assert bigger["seeds"] < plan["seeds"] and "given with --gap" in capsys.readouterr().out
+
+
+def test_coach_set_becomes_coach_overrides(bench) -> None:
+    assert bench.coach_overrides(["backend=openai model=m", "coach.base_url=http://h/v1"]) == [
+        "coach.backend=openai", "coach.model=m", "coach.base_url=http://h/v1",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        bench.coach_overrides(["openai"])
+
+
+@pytest.mark.parametrize("n_seeds", [3, 1])
+def test_the_bench_gives_gaps_over_seeds_and_names_coaches(
+    bench, tmp_path: Path, n_seeds: int, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench, "run_analysis", lambda *a: None)  # compare/report have their own tests
+    seeds = [42, 43, 44][:n_seeds]
+    finals = {"process": REF, "outcome": {42: 24, 43: 12, 44: 32}}
+    runs = {}
+    for arm, correct in finals.items():
+        cfg = {"coach": {"backend": "outcome"}} if arm == "outcome" else {}
+        for s in seeds:
+            runs[(arm, s)] = write_run(tmp_path / f"{arm}-seed{s}", episodes(correct[s]), seed=s, **cfg)
+    summary = bench.summarise(tmp_path, list(finals), seeds, runs)
+    out = capsys.readouterr().out
+    gap = summary["gaps"]["process-outcome"]
+    assert gap["paired"] and gap["seeds"] == n_seeds and gap["gain"] == pytest.approx(-sum(
+        finals["outcome"][s] - finals["process"][s] for s in seeds) / TASKS / n_seeds)  # fmt: skip
+    assert summary["arms"]["process"]["coach"] == "rule-based process rewards (rubric coach)"
+    assert "rubric coach" in out and "outcome-only rewards" in out and "per task:" in out
+    if n_seeds == 3:
+        lo, hi = gap["ci_over_seeds"]
+        assert hi - lo > 3 * (gap["ci"][1] - gap["ci"][0]) and "over 3 seeds" in out and "WARNING: one seed" not in out
+    else:
+        assert gap["ci_over_seeds"] is None and "WARNING: one seed per arm" in out
+
+
+def test_one_seed_json_has_null_not_nan(tmp_path: Path) -> None:
+    arm_runs(tmp_path, "process", {42: 12})
+    arm_runs(tmp_path, "outcome", {42: 20}, coach={"backend": "outcome"})
+    dirs = [str(tmp_path / "process-seed42"), str(tmp_path / "outcome-seed42")]
+    assert mappa("compare", *dirs, "--json", str(tmp_path / "c.json")).returncode == 0
+    text = (tmp_path / "c.json").read_text()
+    rows = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert rows[1]["arm_vs_first"]["over_seeds"][1] == [None, None] and rows[1]["seed"] == 42
