@@ -478,14 +478,16 @@ def test_pool_fits_pickles_and_reloads_a_model_at_the_defaults(default_pool, ws)
 
 
 @pytest.mark.slow
-def test_pool_trains_a_torch_model_at_the_defaults(default_pool, ws):
-    # torch reserves far more address space than it touches: fine under a resident-memory limit.
+def test_pool_trains_a_torch_model_at_the_defaults(conf, ws):
+    # torch reserves far more address space than it touches: fine under a resident-memory limit. The agent
+    # environment has no torch, so this runs an environment that has it (`sandbox.python`), at the defaults.
     code = "import torch\ntorch.manual_seed(0)\nm = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),"
     code += " torch.nn.Linear(256, 1))\nopt = torch.optim.Adam(m.parameters())\nx = torch.randn(512, 64)\n"
     code += "for _ in range(20):\n    loss = m(x).pow(2).mean()\n"
     code += "    opt.zero_grad()\n    loss.backward()\n    opt.step()\n"
     code += "print(loss.item() < 1)"
-    r = default_pool.run(code, ws)
+    with Sandbox(SandboxConfig(pool=True, preload=["torch"], confinement=conf.kind, python=sys.executable)) as sb:
+        r = sb.run(code, ws)
     assert r.ok and r.stdout == "True\n", r.stderr
 
 
