@@ -177,7 +177,7 @@ def test_sandbox_run_exit_codes(tmp_path: Path) -> None:
     def pool_server() -> psutil.Process | None:
         """The warm pool's server once it has forked the snippet (its child)."""
         procs = psutil.Process(child.pid).children(recursive=True)
-        servers = [p for p in procs if p.name() != "bwrap" and "serve" in p.cmdline()]
+        servers = [p for p in procs if p.name() not in ("bwrap", "unshare") and "serve" in p.cmdline()]
         running = [p for p in servers if p.children()]  # the snippet is a fork of the server
         return running[0] if running else None
 

@@ -215,9 +215,9 @@ def _fallback(env: AgentEnv) -> Confinement:
     # a /proc of the sandbox's own processes (the host's would show every command line, and, to a snippet that
     # kept the user's uid, the trainer's environment).
     user = () if is_root() else ("-r",)
-    private = [
-        ("unshare", *user, *flags) for flags in (("-m", "-n", "-p", "-f"), ("-m", "-p", "-f"), ("-m", "-n"), ("-m",))
-    ]
+    pid = ("-p", "--kill-child")  # --kill-child forks, and the sandbox dies with the unshare that started it
+    flags = (("-m", "-n", *pid), ("-m", *pid), ("-m", "-n"), ("-m",))
+    private = [("unshare", *user, *f) for f in flags]
     for prefix in private if unshare else ():
         conf = Confinement("fallback", drop_uid=is_root(), unshare=prefix, allowlist=True, env=env)
         if _probe(_probe_argv(conf)) is None:
