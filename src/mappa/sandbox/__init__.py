@@ -165,7 +165,7 @@ class Sandbox:
 # Run inside the sandbox: which of the forbidden packages agent code could import, which host paths it sees.
 _REACH_PROBE = """
 import importlib.util, json, os, sys
-names, paths = json.loads(sys.argv[1] if len(sys.argv) > 1 else {args!r})
+names, paths = json.loads(ARGS)
 found = []
 for n in names:
     try:
@@ -208,7 +208,7 @@ def answers_reachable(confinement: Confinement, host_paths: Sequence[str | os.Pa
     paths = [os.path.abspath(p) for p in host_paths]
     ws = new_workspace()
     try:
-        code = _REACH_PROBE.replace("{args!r}", repr(json.dumps([list(FORBIDDEN_MODULES), paths])))
+        code = f"ARGS = {json.dumps([list(FORBIDDEN_MODULES), paths])!r}\n" + _REACH_PROBE
         r = run_cold(code, ws, Limits(timeout_s=60), confinement)
     finally:
         remove_workspace(ws)
