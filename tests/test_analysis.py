@@ -326,7 +326,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
     from test_train_smoke import tiny_cfg
 
-    from mappa.train import train
+    from mappa.trainer import train
 
     tmp = tmp_path_factory.mktemp("tiny")
     threads = torch.get_num_threads()

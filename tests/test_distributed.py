@@ -47,7 +47,7 @@ def ray_cluster() -> str:
 @pytest.fixture(scope="module")
 def ray_run(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """2 steps of the tiny config on the module's cluster: 2 rollout workers, one trainer actor per agent."""
-    from mappa.train import train
+    from mappa.trainer import train
 
     run_dir = tmp_path_factory.mktemp("ray") / "run"
     events = []
@@ -88,13 +88,13 @@ def test_merge_counts_sums_and_recomputes_rates() -> None:
 
 
 def test_local_mode_does_not_import_ray() -> None:
-    code = "import sys, mappa.train, mappa.cli.train; sys.exit('ray' in sys.modules)"
+    code = "import sys, mappa.trainer, mappa.cli.train; sys.exit('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=120).returncode == 0
 
 
 def test_ray_run_has_the_local_runs_files_and_metric_names(ray_run: Path, tmp_path: Path) -> None:
     from mappa.policy import Policy
-    from mappa.train import train
+    from mappa.trainer import train
 
     local = tmp_path / "local"
     train(tiny(local), local)
@@ -144,7 +144,7 @@ def test_sharded_trainers_take_the_unsharded_steps_and_resume(ray_cluster: str, 
     The run has the unsharded Ray run's files and metric names and ends with its weights; resumed from its own
     checkpoint (the ranks reload weights and AdamW state into their shards), it trains on."""
     from mappa.policy import Policy
-    from mappa.train import train
+    from mappa.trainer import train
 
     run_dir, sharded = tmp_path / "sharded", ["train.fsdp_ranks=2", "ray.trainer_cpus=0.125"]
     train(tiny(run_dir, *sharded), run_dir, place=placement("local"))

@@ -327,7 +327,7 @@ def test_the_workflow_and_presets_are_registered() -> None:
 
 
 def test_train_one_step_on_tabular_tasks_with_a_tiny_model(bench: Path, tmp_path: Path, one_torch_thread) -> None:
-    from mappa.train import train
+    from mappa.trainer import train
 
     run_dir = tmp_path / "run"
     cfg = load_config(

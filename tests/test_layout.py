@@ -14,7 +14,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 MAX_FUNCTION_LINES = 80
 # Modules on the training path: `mappa train` must not pay for (or depend on) the inference server.
-TRAINING_PATH = ["mappa.train", "mappa.policy", "mappa.rl", "mappa.rollout", "mappa.evaluate", "mappa.workflows"]
+TRAINING_PATH = ["mappa.trainer", "mappa.policy", "mappa.rl", "mappa.rollout", "mappa.evaluate", "mappa.workflows"]
 
 
 def _modules() -> dict[str, Path]:

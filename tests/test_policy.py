@@ -380,7 +380,7 @@ def test_the_training_path_does_not_import_the_serving_package():
     import sys
 
     code = (
-        "import sys, mappa.policy, mappa.train, mappa.rollout, mappa.evaluate, mappa.workflows, mappa.coach\n"
+        "import sys, mappa.policy, mappa.trainer, mappa.rollout, mappa.evaluate, mappa.workflows, mappa.coach\n"
         "print(sorted(m for m in sys.modules if m.startswith(('mappa.serving', 'fastapi', 'uvicorn'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

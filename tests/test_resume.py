@@ -135,7 +135,7 @@ def _mappa(args: list[str], log: Path) -> subprocess.Popen:
 def test_sigkill_mid_run_then_resume_continues_exactly(tmp_path: Path) -> None:
     from mappa.config import load_config
     from mappa.policy import Policy
-    from mappa.train import train
+    from mappa.trainer import train
 
     steps = 4
     killed_dir = tmp_path / "killed"
@@ -301,7 +301,7 @@ def test_a_coach_that_goes_down_mid_run_stops_it_resumable(tmp_path: Path) -> No
     nothing stop the run with one line, after those steps are logged and checkpointed."""
     from mappa.config import load_config
     from mappa.errors import MappaError
-    from mappa.train import train
+    from mappa.trainer import train
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

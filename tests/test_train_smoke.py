@@ -162,7 +162,7 @@ def tiny_cfg(tmp_path: Path, *overrides: str) -> Config:
 
 def test_train_two_steps_end_to_end(tmp_path: Path) -> None:
     from mappa.policy import Policy
-    from mappa.train import train
+    from mappa.trainer import train
 
     cfg = tiny_cfg(tmp_path)
     run_dir = tmp_path / "run"

@@ -79,7 +79,7 @@ def test_shared_weights_train_two_steps_through_the_loop(tmp_path: Path) -> None
     """`model.agent_weights: shared`: one adapter and one optimizer for all three agents, fed every agent's
     actions; the checkpoint reloads as one set of weights that moved."""
     from mappa.policy import Policy
-    from mappa.train import train
+    from mappa.trainer import train
 
     cfg = tiny_cfg(tmp_path, "model.agent_weights=shared", "logging.tensorboard=false")
     run_dir = tmp_path / "run"

@@ -21,7 +21,7 @@ from mappa.config import Config, load_config
 from mappa.errors import MappaError
 from mappa.metrics import Gain
 from mappa.tracking import new_run_dir
-from mappa.train import Event, TrainResult, train
+from mappa.trainer import Event, TrainResult, train
 from mappa.update import config_groups
 
 
@@ -132,7 +132,7 @@ def train_command(cfg: Config | None, resume: str | None, overrides: list[str], 
 
     Nothing is written before the arguments check out: a fresh run's directory is created once its config is
     valid, and a resume rewrites the run's config.yaml (with the --set overrides) only once its checkpoint has
-    loaded and the self-test has passed (`mappa.train.train`)."""
+    loaded and the self-test has passed (`mappa.trainer.train`)."""
     place = None
     if ray is not None:  # a missing Ray is one line, before anything is written
         from mappa.distributed import placement

@@ -1,4 +1,4 @@
-"""A run placed on a Ray cluster: the `place` that `mappa.train.setup` calls with `mappa train --ray`.
+"""A run placed on a Ray cluster: the `place` that `mappa.trainer.setup` calls with `mappa train --ray`.
 
 `placement(address)` connects to Ray (`local`: a new one-machine cluster; `auto`: the running one; else
 its address), and places, in one placement group, one trainer per update group (`train.gpus_per_agent`
@@ -7,7 +7,7 @@ weights, `mappa.sharding`) and `ray.rollout_workers` rollout workers (`ray.worke
 `ray.worker_gpus`). The `Cluster` it returns is what the training loop calls instead of its in-process
 pieces: `play`, `update`, `step_sync`, `evaluate`, `self_test`, `stats`; `weights` and `optimizers` stand in
 for the policy and the optimizers when `mappa.checkpoint` saves or restores, so a checkpoint has the same
-files as a local run's. The training loop itself stays in `mappa.train`.
+files as a local run's. The training loop itself stays in `mappa.trainer`.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def _connect(address: str, cpus: float) -> bool:
 
 
 def placement(address: str) -> Place:
-    """What `mappa.train.setup(place=...)` calls: `place(cfg, run_dir, agents, groups)` places the run on Ray."""
+    """What `mappa.trainer.setup(place=...)` calls: `place(cfg, run_dir, agents, groups)` places the run on Ray."""
     _ray()  # a missing Ray is one line before anything loads
 
     def place(cfg: Config, run_dir: Path, agents: Sequence[str], groups: dict[str, list[str]]) -> Cluster:
