@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mappa.errors import MappaError
+from mappa.plugins import anchor, check_coach, check_task_loader, check_workflow, is_import_path, load_object
 
 
 class Section(BaseModel):
@@ -109,12 +110,38 @@ class SandboxConfig(Section):
     )
 
 
+# The built-in names (`mappa.coach.COACHES`, `mappa.workflows.WORKFLOWS`; a test checks they agree); anything
+# else is a plug-in's import path (`mappa.plugins`), imported and checked when the config loads.
+BUILTIN_COACHES = ("rubric", "outcome", "openai", "local")
+BUILTIN_WORKFLOWS = ("mathchat", "ds_pipeline")
+
+
+def _builtin_or_plugin(value: str, builtins: tuple[str, ...], key: str, check: Any) -> str:
+    if value in builtins:
+        return value
+    if not is_import_path(value):
+        raise ValueError(f"{value!r} is neither one of {', '.join(builtins)} nor an import path 'module:name'")
+    try:
+        check(load_object(value, key), key)
+    except MappaError as e:  # its text already names the key; pydantic adds it again
+        raise ValueError(str(e).removeprefix(f"{key}: ")) from None
+    return value
+
+
 class CoachConfig(Section):
-    backend: Literal["rubric", "outcome", "openai", "local"] = Field(
+    backend: str = Field(
         "rubric",
         description="rubric: offline rules; outcome: 10/0 on the final answer; openai: any "
-        "OpenAI-compatible endpoint; local: an in-process HF model.",
+        "OpenAI-compatible endpoint; local: an in-process HF model; or a plug-in 'module:name' / 'file.py:name': "
+        "a coach class, a factory f(cfg) -> coach, or a reward function f(ctx) -> 0-10 or None (docs/your-team.md).",
     )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="A plug-in coach's own settings (it reads them from its CoachConfig)."
+    )
+    outcome_weight: float = Field(
+        0.0, ge=0.0, le=1.0, description="Mix in the episode's outcome: each action's score becomes "
+        "(1 - w) * coach score + w * (10 if the episode succeeded else 0); 0: process rewards alone.",
+    )  # fmt: skip
     model: str = Field("", description="Coach model name (openai) or model path/name (local).")
     base_url: str | None = Field(None, description="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1.")
     api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable that holds the API key.")
@@ -149,6 +176,15 @@ class CoachConfig(Section):
     price_prompt_per_m: float = Field(0.0, ge=0, description="USD per million prompt tokens (cost accounting).")
     price_completion_per_m: float = Field(0.0, ge=0, description="USD per million completion tokens.")
 
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, value: str) -> str:
+        return _builtin_or_plugin(value, BUILTIN_COACHES, "coach.backend", check_coach)
+
+    @property
+    def is_plugin(self) -> bool:
+        return self.backend not in BUILTIN_COACHES
+
 
 # The coach's 0-10 score times this is the reward on an action's last token (method.md section 2): the
 # published MathChat code divides by 10, the published data-science code keeps the raw score. After whitening
@@ -157,8 +193,13 @@ PAPER_REWARD_SCALE = {"mathchat": 0.1, "ds_pipeline": 1.0}
 
 
 class WorkflowConfig(Section):
-    name: Literal["mathchat", "ds_pipeline"] = Field(
-        "mathchat", description="Workflow name (see mappa.workflows.WORKFLOWS)."
+    name: str = Field(
+        "mathchat",
+        description="mathchat, ds_pipeline (mappa.workflows.WORKFLOWS), or a plug-in 'module:name' / 'file.py:name' "
+        "built like them: f(workflow_cfg, generation_cfg, sandbox_cfg) -> workflow (docs/your-team.md).",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="A plug-in workflow's own settings (it reads them from its WorkflowConfig)."
     )
     coder_max_turns: int = Field(2, ge=1, description="MathChat: Code Executor turn cap.")
     ds_max_turns: int = Field(4, ge=1, description="ds_pipeline: turn cap of each agent.")
@@ -170,16 +211,28 @@ class WorkflowConfig(Section):
         "default: the workflow's published value (mathchat 0.1, i.e. score / 10; ds_pipeline 1.0, the raw score).",
     )  # fmt: skip
 
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return _builtin_or_plugin(value, BUILTIN_WORKFLOWS, "workflow.name", check_workflow)
+
     @property
     def score_scale(self) -> float:
-        """`reward_scale`, or the workflow's published value when it is not set."""
-        return PAPER_REWARD_SCALE[self.name] if self.reward_scale is None else self.reward_scale
+        """`reward_scale`, or the workflow's published value when it is not set (a plug-in: score / 10)."""
+        return PAPER_REWARD_SCALE.get(self.name, 0.1) if self.reward_scale is None else self.reward_scale
 
 
 class TasksConfig(Section):
     data_dir: str | None = Field(None, description="Directory of the math data; default $MAPPA_DATA_DIR.")
-    train: list[str] = Field(default_factory=lambda: ["arithmetic"], description="Training sources.")
-    eval: list[str] = Field(default_factory=lambda: ["arithmetic"], description="Held-out evaluation sources.")
+    train: list[str] = Field(
+        default_factory=lambda: ["arithmetic"],
+        description="Training sources: built-in names (mappa.tasks.SOURCES), 'jsonl:PATH' (one task a line), "
+        "'hf:NAME[:SPLIT]' (a datasets directory or cached hub dataset), or a plug-in 'module:name' / "
+        "'file.py:name', a function (split, seed) -> tasks.",
+    )
+    eval: list[str] = Field(
+        default_factory=lambda: ["arithmetic"], description="Held-out evaluation sources (as for train)."
+    )
     train_size: int | None = Field(None, ge=1, description="Draw this many training tasks (seeded); None: all.")
     eval_size: int | None = Field(None, ge=1, description="Use this many eval tasks (seeded); None: all.")
     arithmetic_levels: list[int] = Field(
@@ -192,6 +245,14 @@ class TasksConfig(Section):
         description="The mini-DSBench directory (source 'dsbench'); default $MAPPA_DSBENCH_DIR, else "
         "<MAPPA_CACHE>/dsbench, built there on first use.",
     )
+
+    @field_validator("train", "eval")
+    @classmethod
+    def _loaders(cls, names: list[str], info: Any) -> list[str]:
+        for name in names:  # built-in names and data files are checked when they load (they may be large)
+            if is_import_path(name):
+                _builtin_or_plugin(name, (), f"tasks.{info.field_name}", check_task_loader)
+        return names
 
 
 class TrainConfig(Section):
@@ -385,7 +446,8 @@ def config_from_dict(data: dict[str, Any], source: str = "<config>") -> Config:
         loc = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
             raise MappaError(f"{source}: unknown key {loc!r}") from None
-        raise MappaError(f"{source}: {loc}: {err['msg']} (got {err.get('input')!r})") from None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise MappaError(f"{source}: {loc}: {msg} (got {err.get('input')!r})") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -407,13 +469,38 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             loaded = {}
         if not isinstance(loaded, dict):
             raise MappaError(f"{p}: top level must be a mapping of sections")
-        data = loaded
+        data = _anchored(loaded, p.parent)
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(data, key, value)
     if overrides:
         source += " (with --set overrides)"
     return config_from_dict(data, source)
+
+
+def _anchored(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Relative plug-in files and `jsonl:` task files named in a config file resolve against its directory, so
+    `mappa train examples/x/config.yaml` works from anywhere and the run directory records absolute paths."""
+
+    def fix(section: str, key: str) -> None:
+        node = data.get(section)
+        if not isinstance(node, dict) or key not in node:
+            return
+        value = node[key]
+        if isinstance(value, str):
+            node[key] = _anchor_one(value, base)
+        elif isinstance(value, list):
+            node[key] = [_anchor_one(v, base) if isinstance(v, str) else v for v in value]
+
+    for section, key in (("workflow", "name"), ("coach", "backend"), ("tasks", "train"), ("tasks", "eval")):
+        fix(section, key)
+    return data
+
+
+def _anchor_one(value: str, base: Path) -> str:
+    if value.startswith("jsonl:") and not Path(value[6:]).expanduser().is_absolute():
+        return f"jsonl:{(base / value[6:]).resolve()}"
+    return anchor(value, base)
 
 
 def dump_config(cfg: Config) -> str:
