@@ -28,6 +28,7 @@ import torch
 from mappa.config import Config
 from mappa.models import EMBEDDED_NAME, embedded_gguf_path, gguf_cache_path, load_base_model
 from mappa.policy import Policy
+from mappa.trainer import update_settings
 from mappa.types import Action, Message
 from mappa.update import update_group
 
@@ -176,9 +177,9 @@ def main() -> None:
             t0 = time.perf_counter()
             trl_update(trainer, batch)
             t1 = time.perf_counter()
-            update_group(policy, opt, fixed, scores, cfg)
+            update_group(policy, opt, fixed, scores, update_settings(cfg))
             t2 = time.perf_counter()
-            update_group(policy, opt, fixed, scores, plain)
+            update_group(policy, opt, fixed, scores, update_settings(plain))
             t3 = time.perf_counter()
             if rep:
                 times["trl"].append(t1 - t0)
@@ -214,7 +215,7 @@ def main() -> None:
             t0 = time.perf_counter()
             gens = policy.generate("agent", convs, max_new_tokens=a.tokens, temperature=1.0)
             acts = actions_from(gens, convs)
-            update_group(policy, opt, acts, [r * 10 for r in reward([g.text for g in gens])], cfg)
+            update_group(policy, opt, acts, [r * 10 for r in reward([g.text for g in gens])], update_settings(cfg))
             if rep:
                 ours_times.append(time.perf_counter() - t0)
                 ours_tok.append(sum(len(g.response_ids) for g in gens))

@@ -41,6 +41,7 @@ from mappa import sharding
 from mappa.config import Config
 from mappa.models import tiny_tokenizer
 from mappa.policy import Policy
+from mappa.trainer import update_settings
 from mappa.types import Action, Message
 from mappa.update import UpdateJob, apply_update, build_optimizer
 
@@ -126,8 +127,9 @@ def run_step(
         actions = synthetic(ag, rng, a, len(policy.tokenizer)) if a.ranks > 1 else rollout(policy, ag, rng, a)
         _sync(device)
         t1 = time.perf_counter()
-        job = UpdateJob(actions, [rng.uniform(0, 10) for _ in actions], seed=step, peak_lr=1e-5, step=step - 1)
-        stats = apply_update(policy, optimizers[ag], job, cfg)
+        scores = [rng.uniform(0, 10) for _ in actions]
+        job = UpdateJob(actions, scores, seed=step, peak_lr=1e-5, step=step - 1, settings=update_settings(cfg))
+        stats = apply_update(policy, optimizers[ag], job)
         _sync(device)
         t2 = time.perf_counter()
         if not torch.isfinite(torch.tensor(stats["loss"])):

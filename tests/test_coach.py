@@ -24,7 +24,7 @@ from mappa.coach.prompts import (
 )
 from mappa.coach.rubric import rubric_score
 from mappa.coach.tokens import byte_count, token_counter
-from mappa.config import CoachConfig, WorkflowConfig
+from mappa.config import BUILTIN_COACHES, BUILTIN_WORKFLOWS, CoachConfig, WorkflowConfig
 from mappa.errors import MappaError
 from mappa.types import Action, CoachContext, CoachScore, Episode, ExecResult, Message, Task
 
@@ -207,9 +207,13 @@ def test_valid_names_are_the_configs() -> None:
     # One list of names per setting: the config's; the dicts must serve exactly those names.
     from mappa.workflows import WORKFLOWS
 
-    assert set(COACHES) == _literal(CoachConfig, "backend")
+    assert set(COACHES) == set(BUILTIN_COACHES)  # any other name must be a plug-in's import path
     assert set(TEMPLATES) == _literal(CoachConfig, "template") - {""}
-    assert set(WORKFLOWS) == _literal(WorkflowConfig, "name")
+    assert set(WORKFLOWS) == set(BUILTIN_WORKFLOWS)
+    with pytest.raises(ValidationError, match="neither one of rubric, outcome, openai, local"):
+        CoachConfig(backend="rubrik")
+    with pytest.raises(ValidationError, match="neither one of mathchat, ds_pipeline"):
+        WorkflowConfig(name="mathchta")
     with pytest.raises(ValidationError, match="template"):
         CoachConfig(template="nope")
 

@@ -18,7 +18,7 @@ from mappa.serving.kv import BufferedLayer, stitchable
 from mappa.serving.prefix_cache import PrefixCache
 from mappa.types import Message
 
-PIN = "transformers==5.23.0 (pyproject.toml)"
+PIN = "transformers==5.23.0 (requirements.lock)"
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -258,7 +258,7 @@ def test_kill_and_resume_with_the_server_backend(server: str, tmp_path: Path) ->
 def test_served_logprobs_are_those_of_the_sampling_temperature(server: str) -> None:
     """`mappa serve` reports the log-probs of the distribution it sampled from (as vLLM with
     `--logprobs-mode processed_logprobs`), and the trainer's recompute at that temperature matches them."""
-    from mappa.generation import logprob_gap
+    from mappa.rl import logprob_gap
     from mappa.types import Action
 
     policy = tiny_policy(["solver"])
@@ -272,6 +272,7 @@ def test_served_logprobs_are_those_of_the_sampling_temperature(server: str) -> N
     prompts, responses = [a.prompt_ids for a in actions], [a.response_ids for a in actions]
     at_t, mask = policy.sequence_logprobs(None, prompts, responses, temperature=0.7)
     raw, _ = policy.sequence_logprobs(None, prompts, responses)
-    assert logprob_gap(actions, at_t) < 1e-3  # same fp32 weights on both sides
-    assert logprob_gap(actions, raw) > 0.05  # what a trainer ignoring the temperature would be off by
+    served_logps = [a.logprobs for a in actions]
+    assert logprob_gap(at_t, served_logps) < 1e-3  # same fp32 weights on both sides
+    assert logprob_gap(raw, served_logps) > 0.05  # what a trainer ignoring the temperature would be off by
     assert mask.sum() == sum(len(r) for r in responses)

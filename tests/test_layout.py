@@ -1,12 +1,15 @@
-"""The architecture stays visible: no import cycles (imports inside functions included), short functions,
-and the training path never imports the serving engine.
+"""The architecture stays visible: every module sits in a declared layer and imports nothing of a higher one,
+no import cycles (imports inside functions included), short functions, the RL math imports nothing of the
+package, the update knows nothing of generation, and the training path never imports the serving engine.
 
-Read from the source with `ast`, so a cycle hidden in a function-level import is found without running it.
+Read from the source with `ast`, so an import hidden in a function is found without running it.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,33 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 MAX_FUNCTION_LINES = 80
 # Modules on the training path: `mappa train` must not pay for (or depend on) the inference server.
 TRAINING_PATH = ["mappa.trainer", "mappa.policy", "mappa.rl", "mappa.rollout", "mappa.evaluate", "mappa.workflows"]
+
+# The layers, lowest first: a module may import its own layer and those below, never one above. An entry names a
+# module and everything inside it (`mappa.coach` holds `mappa.coach.judge`), or is a pattern (`mappa.engine*`);
+# the longest entry that matches wins, so a submodule can sit above its package. "mappa" is the package's
+# __init__ alone.
+LAYERS: dict[str, list[str]] = {
+    "base": [
+        "mappa.errors", "mappa.types", "mappa.paths", "mappa.protocols", "mappa.plugins", "mappa.config",
+        "mappa.rl", "mappa.metrics", "mappa.rewards",
+    ],
+    # one layer: tasks.dsbench and tasks.tabular run reference solutions in the sandbox, while
+    # sandbox.codeblocks reads answers with tasks.answers
+    "tasks and sandbox": ["mappa.tasks", "mappa.sandbox"],
+    "models": ["mappa.models", "mappa.policy", "mappa.sharding"],
+    "coach": ["mappa.coach"],
+    "generation": ["mappa.generation"],
+    "workflows": ["mappa.workflows"],
+    "update": ["mappa.update"],
+    # coach.replay rebuilds the coach's contexts with the episode's workflow, so it sits above workflows
+    "rollout and evaluation": ["mappa.rollout", "mappa.evaluate", "mappa.selftest", "mappa.coach.replay"],
+    "trainer": ["mappa.trainer", "mappa.engine*", "mappa.checkpoint", "mappa.tracking"],
+    "distributed": ["mappa.distributed"],
+    "api": ["mappa", "mappa.api", "mappa.export"],
+    "analysis": ["mappa.analysis", "mappa.trace"],
+    "serving": ["mappa.serving"],
+    "cli": ["mappa.cli"],
+}  # fmt: skip
 
 
 def _modules() -> dict[str, Path]:
@@ -32,7 +62,10 @@ def _imports(module: str, path: Path, mods: dict[str, Path]) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            subs = [f"{node.module}.{a.name}" for a in node.names]
+            # `from pkg import sub` from inside pkg needs only pkg.sub: pkg/__init__ ran before the importer did
+            inside = module.startswith(node.module + ".") and all(s in mods for s in subs)
+            names = [*([] if inside else [node.module]), *subs]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         else:
@@ -48,9 +81,34 @@ def _imports(module: str, path: Path, mods: dict[str, Path]) -> set[str]:
     return found
 
 
+@functools.cache  # the source does not change while the tests run
 def _graph() -> dict[str, set[str]]:
     mods = _modules()
     return {m: _imports(m, p, mods) for m, p in mods.items()}
+
+
+def _layer(module: str, layers: dict[str, list[str]]) -> int | None:
+    """The index of `module`'s layer (its longest matching entry), None when no entry holds it."""
+    best, best_len = None, -1
+    for i, entries in enumerate(layers.values()):
+        for entry in entries:
+            holds = module == entry or (entry != "mappa" and module.startswith(entry + "."))
+            if (holds or ("*" in entry and fnmatchcase(module, entry))) and len(entry) > best_len:
+                best, best_len = i, len(entry)
+    return best
+
+
+def _upward(graph: dict[str, set[str]], layers: dict[str, list[str]]) -> list[str]:
+    """Every import of a module of a higher layer, as `importer -> imported (layer -> layer)`."""
+    names = list(layers)
+    out = []
+    for module in sorted(graph):
+        low = _layer(module, layers)
+        for dep in sorted(graph[module]):
+            high = _layer(dep, layers)
+            if low is not None and high is not None and high > low:
+                out.append(f"{module} -> {dep} ({names[low]} imports {names[high]})")
+    return out
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -109,6 +167,34 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 def test_cycle_finder_sees_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_layer_check_sees_an_upward_import_and_a_module_out_of_every_layer():
+    layers = {"low": ["p.a", "p.b*"], "high": ["p.c", "p.a.top"]}
+    graph = {"p.a": {"p.b2"}, "p.a.x": {"p.c"}, "p.a.top": {"p.a"}, "p.c": {"p.a.x"}, "p.d": set()}
+    assert _upward(graph, layers) == ["p.a.x -> p.c (low imports high)"]
+    assert [m for m in graph if _layer(m, layers) is None] == ["p.d"]
+    assert _layer("mappa", {"root": ["mappa"]}) == 0 and _layer("mappa.x", {"root": ["mappa"]}) is None
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(m for m in _graph() if _layer(m, LAYERS) is None)
+    assert unplaced == [], f"place {unplaced} in a layer of LAYERS in tests/test_layout.py"
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = _upward(_graph(), LAYERS)
+    assert upward == [], "imports of a higher layer (see LAYERS):\n" + "\n".join(upward)
+
+
+def test_rl_imports_nothing_of_the_package():
+    assert _graph()["mappa.rl"] == set()
+
+
+def test_update_never_imports_generation():
+    """The update is told what it needs (`UpdateSettings`); where the actions were generated is its caller's."""
+    found = sorted(m for m in _reachable(_graph(), "mappa.update") if m.split(".")[:2] == ["mappa", "generation"])
+    assert found == [], f"mappa.update reaches {found}"
 
 
 def test_no_import_cycles():

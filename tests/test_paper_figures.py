@@ -12,12 +12,12 @@ import pytest
 from rich.console import Console
 from test_ds_pipeline import FORGETFUL_ENGINEER, bench, fenced, play, reference_team, sandbox  # noqa: F401
 
-from mappa.cli.evaluate import paper_table
+from mappa.cli.evaluate import tabular_table
+from mappa.metrics import episode_metrics, paper_means
 from mappa.tasks.dsbench.metrics import (
     FAIR_ACCURACY_FALLBACK,
     FAIR_F1_FALLBACK,
     classification_figures,
-    fair_means,
     fallback_figures,
     paper_figures,
     predicted_labels,
@@ -72,8 +72,8 @@ def test_failed_runs_count_with_their_fallbacks() -> None:
     assert out["rmse_range_pct"] == pytest.approx(100 * math.sqrt(8) / 40)
     ran = {"accuracy": 0.9, "f1": 0.7}
     failed = fallback_figures("accuracy", ["0"], ["0", "1"])
-    assert fair_means([ran, failed]) == {"accuracy": pytest.approx(0.7), "f1": pytest.approx(0.35)}
-    assert fair_means([{"rmse_range_pct": 5.0, "rmse_iqr_pct": float("nan")}]) == {"rmse_range_pct": 5.0}
+    assert paper_means([ran, failed]) == {"accuracy": pytest.approx(0.7), "f1": pytest.approx(0.35)}
+    assert paper_means([{"rmse_range_pct": 5.0, "rmse_iqr_pct": float("nan")}]) == {"rmse_range_pct": 5.0}
 
 
 def test_episodes_record_the_figures_and_eval_prints_them(bench: Path, sandbox) -> None:  # noqa: F811
@@ -93,7 +93,15 @@ def test_episodes_record_the_figures_and_eval_prints_them(bench: Path, sandbox) 
     assert failed.meta["submission"]["valid"] is False
     assert failed.meta["submission"]["paper"] == {"accuracy": 0.5, "f1": 0.0}
     console = Console(record=True, width=160)
-    console.print(paper_table([*episodes, failed]))
+    metrics = episode_metrics(
+        [*episodes, failed], ("data_engineer", "modeler", "analyst"), "eval"
+    )  # what `mappa train` and `mappa eval` print
+    pooled = paper_means([e.meta["submission"]["paper"] for e in [*episodes, failed]])
+    assert metrics["eval/tabular/paper/accuracy"] == pytest.approx(pooled["accuracy"])
+    classified = [e for e in [*episodes, failed] if e.task.meta["data_type"] == "classification"]
+    f1s = [e.meta["submission"]["paper"]["f1"] for e in classified]
+    assert 0.0 in f1s  # the failed run counts with F1 0, never dropped
+    assert metrics["eval/tabular/classification/paper/f1"] == pytest.approx(sum(f1s) / len(f1s))
+    console.print(tabular_table(metrics))
     text = console.export_text()
     assert "classification" in text and "regression" in text and "RMSE % range" in text
-    assert "66.7%" in text  # success: two valid submissions of three episodes

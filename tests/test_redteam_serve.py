@@ -195,7 +195,7 @@ def test_a_body_over_the_cap_is_413(server: RunningServer) -> None:
         ("response_format", {"type": "json_object"}),
         ("presence_penalty", 0.5),
         ("frequency_penalty", 1.0),
-        ("chat_template_kwargs", {"enable_thinking": False}),
+        ("chat_template_kwargs", {"tokenize": True}),  # template options are served; reserved keys are not
         ("logit_bias", {"1": 10}),
         ("made_up_option", 1),
     ],

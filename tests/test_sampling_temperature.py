@@ -17,6 +17,7 @@ from mappa.config import Config
 from mappa.errors import MappaError
 from mappa.policy import Generation, scaled_logits
 from mappa.selftest import check_agents
+from mappa.trainer import update_settings
 from mappa.types import Action, Message
 from mappa.update import update_group
 
@@ -83,7 +84,7 @@ def _first_step(actions: list[Action], temperature: float, recompute: bool) -> d
     perturb(policy, "solver", scale=0.3, seed=3)  # the agent is not the reference: the KL term is live
     opt = torch.optim.SGD(policy.trainable_parameters("solver"), lr=0.0)
     steps: list[dict[str, float]] = []
-    update_group(policy, opt, actions, [10.0, 0.0, 5.0, 3.0, 8.0, 1.0], cfg, on_step=steps.append)
+    update_group(policy, opt, actions, [10.0, 0.0, 5.0, 3.0, 8.0, 1.0], update_settings(cfg), on_step=steps.append)
     return steps[0]
 
 
@@ -142,7 +143,7 @@ def test_the_reward_scale_reaches_the_update() -> None:
         p = make_policy()
         perturb(p, "solver", scale=0.3, seed=3)
         opt = torch.optim.SGD(p.trainable_parameters("solver"), lr=0.0)
-        return update_group(p, opt, actions, [10.0, 0.0, 5.0, 3.0, 8.0, 1.0], cfg)["grad_norm"]
+        return update_group(p, opt, actions, [10.0, 0.0, 5.0, 3.0, 8.0, 1.0], update_settings(cfg))["grad_norm"]
 
     assert grad_norm(0.1, 0.0) == pytest.approx(grad_norm(1.0, 0.0), rel=1e-4)
     assert grad_norm(0.1, 0.5) != pytest.approx(grad_norm(1.0, 0.5), rel=1e-2)

@@ -20,6 +20,7 @@ from test_train_smoke import make_policy, sampled_actions, train_cfg
 from mappa import sharding
 from mappa.config import Config
 from mappa.policy import Policy
+from mappa.trainer import update_settings
 from mappa.types import Action
 from mappa.update import build_optimizer, update_group
 
@@ -33,7 +34,7 @@ CFG = train_cfg(mini_batch_size=3, micro_batch_size=1, grad_clip=0.5, lr=0.05)
 
 def update(policy: Policy, actions: list[Action], cfg: Config) -> tuple[dict[str, float], torch.optim.Optimizer]:
     optimizer = build_optimizer(policy, "solver", "solver", cfg.train)
-    return update_group(policy, optimizer, actions, SCORES, cfg, seed=3), optimizer
+    return update_group(policy, optimizer, actions, SCORES, update_settings(cfg), seed=3), optimizer
 
 
 def _rank(rank: int, port: int, mode: str, actions: list[Action], out: Path) -> None:
@@ -76,7 +77,8 @@ def test_two_ranks_take_the_single_process_steps(mode: str, tmp_path: Path) -> N
     got = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert got["sharded"]  # the other agents' weights were sharded too, not only the trained group's
 
-    for k in ("loss", "grad_norm", "clip_frac", "ratio_mean", "kl", "advantage_abs", "tokens", "optimizer_steps"):
+    keys = ("loss", "grad_norm", "clip_frac", "ratio_mean", "kl", "advantage_abs", "tokens", "optimizer_steps")
+    for k in (*keys, "entropy"):
         assert got["stats"][k] == pytest.approx(stats[k], rel=1e-4, abs=1e-6), k
     trained = policy.trainable_parameters("solver")
     assert any(not torch.equal(b, p) for b, p in zip(before, trained, strict=True))

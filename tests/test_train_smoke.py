@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mappa.config import Config, load_config
+from mappa.trainer import update_settings
 from mappa.types import Action, Message
 from mappa.update import update_group, update_groups
 
@@ -54,7 +55,7 @@ def test_two_updates_touch_only_the_trained_agent(agent_weights: str) -> None:
     opt = torch.optim.AdamW(own, lr=1e-2, betas=(0.9, 0.95))
     for step in range(2):
         actions = sampled_actions(policy, "coder", 5, seed=step)
-        stats = update_group(policy, opt, actions, [0.0, 10.0, 3.0, 7.0, 5.0], cfg)
+        stats = update_group(policy, opt, actions, [0.0, 10.0, 3.0, 7.0, 5.0], update_settings(cfg))
         assert math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"]) and stats["grad_norm"] > 0
         assert stats["tokens"] == sum(len(a.response_ids) for a in actions)
     assert changed(own_before, own)
@@ -82,7 +83,7 @@ def test_update_raises_the_probability_of_the_high_scored_action() -> None:
             a.model_copy(update={"logprobs": tuple(lp[i, : len(a.response_ids)].tolist())})
             for i, a in enumerate(actions)
         ]
-        update_group(policy, opt, fresh, [10.0, 0.0], cfg)
+        update_group(policy, opt, fresh, [10.0, 0.0], update_settings(cfg))
     after = seq_logp()
     assert after[0] - before[0] > 0 and after[1] - before[1] < 0
 
@@ -103,7 +104,8 @@ def test_second_mini_batch_leaves_ratio_one_and_a_large_lr_engages_the_clip(reco
         policy = make_policy()  # the same initial weights for each learning rate
         opt = torch.optim.AdamW(policy.trainable_parameters("solver"), lr=lr)
         steps[lr] = []
-        stats = update_group(policy, opt, actions, [10.0, 0.0, 7.0, 2.0] * 2, cfg, seed=1, on_step=steps[lr].append)
+        scores = [10.0, 0.0, 7.0, 2.0] * 2
+        stats = update_group(policy, opt, actions, scores, update_settings(cfg), seed=1, on_step=steps[lr].append)
         assert stats["optimizer_steps"] == 2 and len(steps[lr]) == 2
     small, large = steps[1e-3], steps[0.3]
     for first in (small[0], large[0]):  # fp32: generation-time log-probs agree with the forward pass to ~1e-7
@@ -117,9 +119,9 @@ def test_update_shuffles_into_mini_batches_and_sets_each_steps_lr() -> None:
     actions = sampled_actions(policy, "coder", 5, seed=2)
     opt = torch.optim.AdamW(policy.trainable_parameters("coder"), lr=1.0)
     steps: list[dict[str, float]] = []
-    cfg = train_cfg(mini_batch_size=2, epochs=2)
+    settings = update_settings(train_cfg(mini_batch_size=2, epochs=2))
     stats = update_group(
-        policy, opt, actions, [1.0, 9.0, 5.0, 3.0, 8.0], cfg, lr=lambda f: f * 1e-3, on_step=steps.append
+        policy, opt, actions, [1.0, 9.0, 5.0, 3.0, 8.0], settings, lr=lambda f: f * 1e-3, on_step=steps.append
     )
     assert stats["optimizer_steps"] == 6  # ceil(5 / 2) per epoch, two epochs
     assert [s["lr"] for s in steps] == pytest.approx([(j + 1) / 6 * 1e-3 for j in range(6)])

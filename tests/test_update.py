@@ -1,6 +1,7 @@
 """The update's arithmetic on a tiny random Llama: gradient accumulation is exact (micro-batch 1 and N give the
-gradient of the whole mini-batch's token-mean loss, which is `rl.clipped_pg_loss` on the whole batch), and the
-`shared` single-policy baseline goes through the real training loop."""
+gradient of the whole mini-batch's token-mean loss, which is `rl.clipped_pg_loss` on the whole batch), the
+decisions the trainer resolves from the config (`mappa.trainer.update_settings`) are the ones the update acts
+on, and the `shared` single-policy baseline goes through the real training loop."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import torch
 from test_train_smoke import make_policy, sampled_actions, tiny_cfg, train_cfg
 
 from mappa import rl
+from mappa.config import Config
+from mappa.trainer import update_settings
 from mappa.types import Action
-from mappa.update import update_group
+from mappa.update import UpdateSettings, update_group
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -41,7 +44,8 @@ def one_step(actions: list[Action], micro: int) -> tuple[dict[str, float], list[
     before = [p.detach().clone() for p in params]
     cfg = train_cfg(mini_batch_size=len(actions), micro_batch_size=micro, grad_clip=1e9, recompute_old_logprobs=False)
     steps: list[dict[str, float]] = []
-    stats = update_group(policy, torch.optim.SGD(params, lr=1.0), actions, SCORES, cfg, seed=0, on_step=steps.append)
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    stats = update_group(policy, optimizer, actions, SCORES, update_settings(cfg), seed=0, on_step=steps.append)
     assert stats["optimizer_steps"] == 1
     return steps[0], [b - p.detach() for b, p in zip(before, params, strict=True)]
 
@@ -73,6 +77,52 @@ def test_micro_batches_accumulate_the_whole_batch_gradient() -> None:
             assert step[k] == pytest.approx(stats[k], rel=1e-5, abs=1e-7), (micro, k)
         for g, s in zip(grads, step_grads, strict=True):
             torch.testing.assert_close(s, g, rtol=1e-4, atol=1e-7)
+
+
+def test_the_trainer_resolves_what_the_update_reads_from_the_config() -> None:
+    """A generation server's log-probs are always recomputed and their gap reported; the local backend's are
+    used as they are when `train.recompute_old_logprobs` is off."""
+    cfg = train_cfg(recompute_old_logprobs=False)
+    cfg = cfg.model_copy(
+        update={
+            "generation": cfg.generation.model_copy(update={"temperature": 0.7}),
+            "workflow": cfg.workflow.model_copy(update={"reward_scale": 0.5}),
+        }
+    )
+    local = update_settings(cfg)
+    assert local == UpdateSettings(cfg.train, 0.7, 0.5, recompute_old_logprobs=False, report_logprob_gap=False)
+    served = update_settings(
+        cfg.model_copy(update={"generation": cfg.generation.model_copy(update={"backend": "server"})})
+    )
+    assert (served.recompute_old_logprobs, served.report_logprob_gap) == (True, True)
+    assert update_settings(train_cfg(recompute_old_logprobs=True)).recompute_old_logprobs
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_the_update_acts_on_the_resolved_decisions(recompute: bool) -> None:
+    """Generation-time log-probs off by noise: recomputed, the first step's ratio is 1 and nothing clips, and the
+    reported gap is the noise; taken as they are, the ratio leaves 1 and the clip acts."""
+    actions, policy = ragged_actions(), make_policy()
+    exact, _ = policy.sequence_logprobs("solver", [a.prompt_ids for a in actions], [a.response_ids for a in actions])
+    noise = [abs(lp - float(exact[i, j])) for i, a in enumerate(actions) for j, lp in enumerate(a.logprobs)]
+    train = Config().train.model_copy(update={"mini_batch_size": len(actions)})
+    settings = UpdateSettings(train, 1.0, 0.1, recompute_old_logprobs=recompute, report_logprob_gap=recompute)
+    steps: list[dict[str, float]] = []
+    optimizer = torch.optim.SGD(policy.trainable_parameters("solver"), lr=0.1)
+    stats = update_group(policy, optimizer, actions, SCORES, settings, on_step=steps.append)
+    if recompute:
+        assert steps[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and steps[0]["clip_frac"] == 0.0
+        assert stats["logprob_gap"] == pytest.approx(sum(noise) / len(noise), rel=1e-4)
+        assert stats["logprob_gap"] > 0.1
+    else:
+        assert steps[0]["clip_frac"] > 0 and "logprob_gap" not in stats
+
+
+def test_logprob_gap_counts_only_the_tokens_given() -> None:
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, float("nan"), float("nan")]])
+    # row 0: a server that left the stop token out (2 of 3 tokens); row 1: one token, padding never read
+    assert rl.logprob_gap(logp, [[-1.5, -2.0], [-0.25]]) == pytest.approx((0.5 + 0.0 + 0.25) / 3)
+    assert rl.logprob_gap(logp, [[], []]) == 0.0
 
 
 def test_shared_weights_train_two_steps_through_the_loop(tmp_path: Path) -> None:

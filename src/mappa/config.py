@@ -43,6 +43,12 @@ class ModelConfig(Section):
         "auto", description="'auto': bfloat16 on CUDA, float32 on CPU."
     )
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the update phase.")
+    init_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Passed to the base model's from_pretrained: attn_implementation, quantization_config (a dict), "
+        "trust_remote_code (tokenizer too), revision (a cached hub id's snapshot), device_map, ... dtype/torch_dtype "
+        "here are model.dtype: give one, or the same value. Recorded in checkpoints (docs/models.md).",
+    )
 
 
 class GenerationConfig(Section):
@@ -77,6 +83,19 @@ class GenerationConfig(Section):
         description="server backend: environment variable holding the server's API key, sent as "
         "`Authorization: Bearer` when set (`mappa serve` reads MAPPA_API_KEY too; vLLM: VLLM_API_KEY).",
     )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra variables of the chat template (e.g. enable_thinking: false for Qwen3), the same for the "
+        "trainer's prompts, the local policy and every server request (`chat_template_kwargs` in its body).",
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted(set(value) & {"messages", "conversation", "tokenize", "add_generation_prompt"})
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by mappa itself, not a template variable")
+        return value
 
 
 class SandboxConfig(Section):
@@ -338,8 +357,50 @@ class EvalConfig(Section):
 
 
 class LoggingConfig(Section):
-    tensorboard: bool = Field(True, description="Write TensorBoard events beside metrics.jsonl.")
-    wandb_project: str | None = Field(None, description="Log to W&B when set and wandb is installed.")
+    """Where metrics go besides metrics.jsonl, which is always written and is the ground truth (docs/training.md)."""
+
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Experiment trackers the metrics also go to ([] for none); one whose package is not "
+        "installed is skipped with a note. `--resume` continues the same tracked run (ids kept in run.json).",
+    )
+    project: str = Field("mappa", min_length=1, description="W&B project, MLflow experiment and trackio project.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_keys(cls, data: Any) -> Any:
+        """`report_to: wandb,mlflow` (one string, as `--set` gives it) is a list; the keys of earlier versions
+        are still read (old runs' config.yaml has them): `tensorboard: true/false` adds/removes tensorboard in
+        report_to, `wandb_project: NAME` adds wandb and sets project."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        report_to = data.get("report_to", ["tensorboard"])
+        if isinstance(report_to, str):
+            data["report_to"] = report_to = [r.strip() for r in report_to.split(",") if r.strip()]
+        if not isinstance(report_to, list) or not {"tensorboard", "wandb_project"} & data.keys():
+            return data  # a wrong type is pydantic's to name
+        report_to = list(report_to)
+        tensorboard = data.pop("tensorboard", None)
+        if tensorboard is not None and not isinstance(tensorboard, bool):
+            raise ValueError(f"tensorboard must be true or false, got {tensorboard!r} (or use report_to)")
+        if tensorboard and "tensorboard" not in report_to:
+            report_to.append("tensorboard")
+        elif tensorboard is False:
+            report_to = [r for r in report_to if r != "tensorboard"]
+        project = data.pop("wandb_project", None)
+        if project is not None:
+            if data.get("project", project) != project:
+                raise ValueError(f"wandb_project={project!r} and project={data['project']!r}: keep only project")
+            report_to += [] if "wandb" in report_to else ["wandb"]
+            data["project"] = project
+        data["report_to"] = report_to
+        return data
+
+    @field_validator("report_to")
+    @classmethod
+    def _no_repeats(cls, value: list[str]) -> list[str]:
+        return list(dict.fromkeys(value))
 
 
 class AnalysisConfig(Section):
@@ -500,6 +561,10 @@ def _anchored(data: dict[str, Any], base: Path) -> dict[str, Any]:
 def _anchor_one(value: str, base: Path) -> str:
     if value.startswith("jsonl:") and not Path(value[6:]).expanduser().is_absolute():
         return f"jsonl:{(base / value[6:]).resolve()}"
+    if value.startswith("hf:"):  # a dataset directory beside the config file; else a hub id (or cwd-relative)
+        name, sep, split = value[3:].partition(":")
+        if name and not Path(name).expanduser().is_absolute() and (base / name).is_dir():
+            return f"hf:{(base / name).resolve()}{sep}{split}"
     return anchor(value, base)
 
 

@@ -81,6 +81,22 @@ def episode_metrics(episodes: Sequence[Episode], agents: Sequence[str], prefix: 
     return out
 
 
+# The paper's data-science figures (`Episode.meta["submission"]["paper"]`): a failed run holds its fallback
+# (accuracy 0.5, F1 0, the trivial prediction's RMSE), so nothing is dropped (docs/dsbench.md).
+PAPER_FIGURES = ("accuracy", "f1", "rmse_range_pct", "rmse_iqr_pct")
+
+
+def paper_means(figures: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The mean of each paper figure over the episodes that have it; NaN entries (a target without spread) are
+    left out of their mean."""
+    out = {}
+    for key in PAPER_FIGURES:
+        values = [float(f[key]) for f in figures if key in f and not math.isnan(float(f[key]))]
+        if values:
+            out[key] = sum(values) / len(values)
+    return out
+
+
 def _tabular_summary(episodes: Sequence[Episode], head: str) -> dict[str, float]:
     subs = [e.meta["submission"] for e in episodes]
     n = len(subs)
@@ -88,11 +104,13 @@ def _tabular_summary(episodes: Sequence[Episode], head: str) -> dict[str, float]
     def fair_mean(key: str) -> float:  # 0 for an invalid submission
         return _share(sum(float(s[key]) if s["valid"] else 0.0 for s in subs), n)
 
+    paper = paper_means([s["paper"] for s in subs if s.get("paper")])
     return {
         f"{head}/valid_rate": _share(sum(bool(s["valid"]) for s in subs), n),
         f"{head}/gap": fair_mean("gap"),
         f"{head}/reference_fraction": fair_mean("reference_fraction"),
         f"{head}/episodes": float(n),
+        **{f"{head}/paper/{k}": v for k, v in paper.items()},
     }
 
 

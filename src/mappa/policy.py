@@ -32,7 +32,7 @@ import json
 import re
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,9 +79,13 @@ class Policy:
         lora_dropout: float = 0.0,
         target_modules: Sequence[str] = DEFAULT_TARGET_MODULES,
         base_name: str | None = None,
+        base_init_kwargs: Mapping[str, Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         generation_batch_size: int = 16,
         seed: int = 0,
     ) -> None:
+        from mappa.models import portable_init_kwargs
+
         agents = tuple(agents)
         if not agents:
             raise MappaError("policy: at least one agent is required")
@@ -93,6 +97,8 @@ class Policy:
         self.agent_weights = agent_weights
         self.tokenizer = tokenizer
         self.base_name = base_name  # loadable name of the base; None: save() writes the base weights too
+        self.base_init_kwargs = portable_init_kwargs(base_init_kwargs or {})  # how it was loaded (model.init_kwargs)
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})  # generation.chat_template_kwargs
         self.generation_batch_size = generation_batch_size
         self.lora = {"r": lora_r, "alpha": lora_alpha, "dropout": lora_dropout, "target_modules": list(target_modules)}
         self.device = next(model.parameters()).device
@@ -121,6 +127,18 @@ class Policy:
                 )
                 self.model = _wrap_lora(model, list(dict.fromkeys(self._adapter.values())), self.lora)
                 self._adapter_params = [p for n, p in self.model.named_parameters() if ".lora_" in n]
+                self._name_base(base_name)
+
+    def _name_base(self, base_name: str | None) -> None:
+        """Saved adapters name the base as given (the embedded model: its hub id), never the cache directory it
+        was read from: vLLM, peft's AutoPeftModel and the Hub resolve it (`mappa.models.public_name`)."""
+        from mappa.models import public_name
+
+        if base_name is None:
+            return
+        for config in self.model.peft_config.values():
+            config.base_model_name_or_path = public_name(base_name)
+            config.revision = self.base_init_kwargs.get("revision")
 
     # ------------------------------------------------------------------------------------------------------------
     # Construction
@@ -132,11 +150,19 @@ class Policy:
         return cls(model, tokenizer, agents, **options)
 
     @classmethod
-    def from_config(cls, cfg: object, agents: Sequence[str], seed: int = 0, generation_batch_size: int = 16) -> Policy:
-        """Load `cfg.name` (a `mappa.config.ModelConfig`) and attach one set of weights per agent."""
+    def from_config(
+        cls,
+        cfg: object,
+        agents: Sequence[str],
+        seed: int = 0,
+        generation_batch_size: int = 16,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Policy:
+        """Load `cfg.name` (a `mappa.config.ModelConfig`, with its `init_kwargs`) and attach one set of weights
+        per agent; prompts are templated with `chat_template_kwargs` (`generation.chat_template_kwargs`)."""
         from mappa.models import load_base_model
 
-        model, tokenizer = load_base_model(cfg.name, device=cfg.device, dtype=cfg.dtype)
+        model, tokenizer = load_base_model(cfg.name, device=cfg.device, dtype=cfg.dtype, init_kwargs=cfg.init_kwargs)
         policy = cls(
             model,
             tokenizer,
@@ -147,6 +173,8 @@ class Policy:
             lora_dropout=cfg.lora_dropout,
             target_modules=cfg.lora_target_modules,
             base_name=cfg.name,
+            base_init_kwargs=cfg.init_kwargs,
+            chat_template_kwargs=chat_template_kwargs,
             generation_batch_size=generation_batch_size,
             seed=seed,
         )
@@ -155,14 +183,21 @@ class Policy:
         return policy
 
     @classmethod
-    def from_checkpoint(cls, directory: str | Path, device: str | torch.device = "auto") -> Policy:
-        """Rebuild a policy saved with `save`: base model, agents, mode, LoRA settings and weights."""
+    def from_checkpoint(
+        cls,
+        directory: str | Path,
+        device: str | torch.device = "auto",
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Policy:
+        """Rebuild a policy saved with `save`: base model (loaded with the init_kwargs it was trained with), agents,
+        mode, LoRA settings and weights; prompts are templated with `chat_template_kwargs`."""
         from mappa.models import load_base_model
 
         directory = Path(directory)
         manifest = _read_manifest(directory)
         base = str(directory / "base") if manifest["base_name"] is None else manifest["base_name"]
-        model, tokenizer = load_base_model(base, device=device)
+        init_kwargs = manifest.get("init_kwargs") or {}  # checkpoints before model.init_kwargs have none
+        model, tokenizer = load_base_model(base, device=device, init_kwargs=init_kwargs)
         lora = manifest["lora"]
         policy = cls(
             model,
@@ -174,6 +209,8 @@ class Policy:
             lora_dropout=lora["dropout"],
             target_modules=lora["target_modules"],
             base_name=manifest["base_name"],
+            base_init_kwargs=init_kwargs,
+            chat_template_kwargs=chat_template_kwargs,
         )
         policy.load_weights(directory)
         return policy
@@ -242,11 +279,13 @@ class Policy:
     # ------------------------------------------------------------------------------------------------------------
     # Tokens
 
-    def chat_ids(self, messages: Sequence[Message]) -> list[int]:
-        """Chat-template `messages` and append the assistant generation prompt."""
+    def chat_ids(self, messages: Sequence[Message], template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """Chat-template `messages` and append the assistant generation prompt; the template's variables are the
+        policy's `chat_template_kwargs`, updated with `template_kwargs` (a served request's own)."""
         text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False
-        )
+            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False,
+            **{**self.chat_template_kwargs, **(template_kwargs or {})},
+        )  # fmt: skip
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # ------------------------------------------------------------------------------------------------------------
@@ -336,11 +375,14 @@ class Policy:
         response_ids: Sequence[Sequence[int]],
         *,
         temperature: float = 1.0,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        entropy: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         """Per-token log pi(response | prompt) for one micro-batch: (logp (B, T), mask (B, T)), right-padded
         over responses (padded entries are 0 with mask False). Differentiable w.r.t. the agent's weights
         when grad is enabled; the reference (None) never builds a graph. `temperature`: the one the
         responses were sampled at (`scaled_logits`), so these are the log-probs `generate` reported.
+        `entropy`: also (B, T) the entropy of pi_T at each response position, from the same logits (no
+        gradient; 0 where mask is False), as a third tensor.
 
         Layout: prompts left-padded to a common length so every response starts at the same column,
         which lets the LM head run on response positions only (logits_to_keep) instead of the prompt.
@@ -351,7 +393,7 @@ class Policy:
         T = max((len(r) for r in response_ids), default=0)
         if B == 0 or T == 0:
             empty = torch.zeros(B, T, device=self.device)
-            return empty, empty.bool()
+            return (empty, empty.bool(), empty) if entropy else (empty, empty.bool())
         P = max(len(p) for p in prompt_ids)
         if min(len(p) for p in prompt_ids) == 0:
             raise ValueError("every prompt needs at least one token")
@@ -379,8 +421,13 @@ class Policy:
                     module.eval()
         logits = scaled_logits(logits.float(), temperature)  # (B, T, V)
         targets = input_ids[:, P:]
-        logp = logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-        return logp * mask, mask
+        logz = torch.logsumexp(logits, dim=-1)
+        logp = logits.gather(-1, targets[..., None]).squeeze(-1) - logz
+        if not entropy:
+            return logp * mask, mask
+        with torch.no_grad():  # H = log Z - E_pi[logit]: a metric, so no graph over (B, T, V)
+            ent = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        return logp * mask, mask, ent * mask
 
     @torch.no_grad()
     def sequence_logprobs(
@@ -436,6 +483,7 @@ class Policy:
             manifest = {
                 "format_version": FORMAT_VERSION,
                 "base_name": self.base_name,
+                "init_kwargs": self.base_init_kwargs,
                 "agent_weights": self.agent_weights,
                 "agents": list(self.agents),
                 "adapters": self._adapter,
@@ -457,7 +505,8 @@ class Policy:
             from peft import get_peft_model_state_dict
 
             for adapter in dict.fromkeys(self._adapter.values()):
-                state = get_peft_model_state_dict(self.model, adapter_name=adapter)
+                # no embedding layers: peft would otherwise look the base up on the Hub to compare vocab sizes
+                state = get_peft_model_state_dict(self.model, adapter_name=adapter, save_embedding_layers=False)
                 files[f"adapters/{adapter}"] = (_host_state(state), self.model.peft_config[adapter])
         if self.base_name is None:
             base = self.model if self.agent_weights == "full" else self.model.get_base_model()
@@ -731,6 +780,11 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: t
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, sorted_i, sorted_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def read_manifest(directory: str | Path) -> dict:
+    """A checkpoint's `mappa_policy.json` (base name, agents, mode, LoRA settings), checked; MappaError if absent."""
+    return _read_manifest(Path(directory))
 
 
 def _read_manifest(directory: Path) -> dict:

@@ -1,4 +1,5 @@
-"""The plug-in points: what a workflow needs of a policy and a sandbox, and what a coach and a workflow are.
+"""The plug-in points: what a workflow needs of a policy and a sandbox, what a coach and a workflow are, and what
+the training loop needs of wherever its work runs (`Engine`).
 
 Small structural Protocols (anything with the right methods fits; nothing subclasses them) plus the two
 records that cross the boundaries between stages. This module imports only the standard library and
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from mappa.types import Action, CoachContext, CoachScore, Episode, ExecResult, Message, Task
 
@@ -110,3 +111,50 @@ class Workflow(Protocol):
     ) -> list[Episode]: ...
 
     def context(self, task: Task, action: Action) -> CoachContext: ...
+
+
+# Reports a line of status as long work starts (`Engine.update`: which groups it updates, and where).
+StatusFn = Callable[[str], None]
+
+
+class Engine(Protocol):
+    """Where a training run's work happens: `mappa.engine.LocalEngine` (this process) or
+    `mappa.distributed.Cluster` (Ray actors). `mappa.trainer` drives one through these calls only, so the loop
+    reads the same either way; both keep a checkpoint's files identical, so a run resumes under either."""
+
+    def play(self, tasks: Sequence[Task], seed: int, progress: ProgressFn | None = None) -> list[Episode]:
+        """One episode per task, scored by the coach as it plays, in task order; sampling seeded by `seed`."""
+        ...
+
+    def update(self, jobs: dict[str, Any], status: StatusFn | None = None) -> dict[str, dict[str, float]]:
+        """Each update group's job (`mappa.update.UpdateJob`) applied to its weights; metrics per group."""
+        ...
+
+    def step_sync(self, version: int, metrics: dict[str, float] | None = None) -> dict[str, float]:
+        """After the updates (and once at start): the weights as of step `version` to whatever samples episodes;
+        returns the `generation/...` counters of the last rollout (none for the local backend)."""
+        ...
+
+    def evaluate(
+        self, tasks: Sequence[Task], progress: ProgressFn | None = None
+    ) -> tuple[dict[str, float], list[Episode]]:
+        """`mappa.evaluate.evaluate` on the held-out tasks: its metrics and episodes."""
+        ...
+
+    def self_test(self) -> list[str]:
+        """The start-up checks (`mappa.selftest`) of the weights, sandbox and coach; a line per check."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """The coach's accounting since the last call (`CoachRunner.stats`)."""
+        ...
+
+    def save_checkpoint(self, run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
+        """`mappa.checkpoint.save_checkpoint` of the weights and optimizers with `state`; its directory."""
+        ...
+
+    def restore_checkpoint(self, run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+        """`mappa.checkpoint.restore_run` into the weights and optimizers: (checkpoint, state.json) or None."""
+        ...
+
+    def close(self) -> None: ...

@@ -32,17 +32,28 @@ def reward_mode(coach_backend: str) -> RewardMode:
     return "outcome" if coach_backend == "outcome" else "coach"
 
 
-def per_action_scores(episodes: Sequence[Episode], mode: RewardMode) -> list[list[float | None]]:
-    """scores[i][j] in [0, 10] for action j of episode i; None = unscored (unknown outcome, no coach score)."""
+def per_action_scores(
+    episodes: Sequence[Episode], mode: RewardMode, outcome_weight: float = 0.0
+) -> list[list[float | None]]:
+    """scores[i][j] in [0, 10] for action j of episode i; None = unscored (unknown outcome, no coach score).
+
+    `outcome_weight` w (`coach.outcome_weight`, coach mode): each scored action's score becomes
+    (1 - w) * score + w * outcome, the outcome 10 or 0 by the episode's rule-based check; an episode whose outcome
+    is unknown keeps its coach scores as they are (nothing is invented for the missing half)."""
     if mode not in ("coach", "outcome"):
         raise MappaError(f"reward mode {mode!r}: expected 'coach' or 'outcome'")
+    if not 0.0 <= outcome_weight <= 1.0:
+        raise MappaError(f"coach.outcome_weight: {outcome_weight:g} is outside 0-1")
     out: list[list[float | None]] = []
     for ep in episodes:
+        outcome = None if ep.correct is None else (10.0 if ep.correct else 0.0)
         if mode == "outcome":
-            outcome = None if ep.correct is None else (10.0 if ep.correct else 0.0)
             out.append([outcome] * len(ep.actions))
-        else:
-            out.append([a.coach.score if a.coach is not None else None for a in ep.actions])
+            continue
+        row = [a.coach.score if a.coach is not None else None for a in ep.actions]
+        if outcome_weight and outcome is not None:
+            row = [None if s is None else (1 - outcome_weight) * s + outcome_weight * outcome for s in row]
+        out.append(row)
     return out
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 
 import torch
 
@@ -158,3 +159,18 @@ def lr_factor(progress: float, warmup_ratio: float, min_ratio: float) -> float:
     span = 1.0 - warmup_ratio
     done = (progress - warmup_ratio) / span if span > 0 else 1.0
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * done))
+
+
+def logprob_gap(logp: torch.Tensor, other: Sequence[Sequence[float]]) -> float:
+    """Mean |logp - other| per token over the tokens `other` gives a log-prob for; 0.0 when it gives none.
+
+    logp: (B, T) one side's log-probs (the trainer's); other[b]: the other side's (a generation server's) for
+    the first len(other[b]) <= T tokens of row b. Both at the sampling temperature: a side reporting raw
+    (temperature-1) log-probs shows as a gap of the two distributions' difference, not of kernel rounding.
+    """
+    gaps = [
+        (logp[b, : len(row)].float() - torch.tensor(row, dtype=torch.float32, device=logp.device)).abs()
+        for b, row in enumerate(other)
+        if len(row)
+    ]
+    return float(torch.cat(gaps).mean()) if gaps else 0.0

@@ -1,5 +1,12 @@
-"""Rollouts: draw tasks (`pick_tasks`, the one task sampler) and the run behind `mappa rollout` (`rollout`),
-which plays them with the configured coach and writes episodes to JSONL as each batch finishes.
+"""Rollouts: draw tasks (`pick_tasks`, the one task sampler), build what plays them (`build_kit`), and the run
+behind `mappa rollout` (`rollout`), which plays them with the configured coach and writes episodes to JSONL as
+each batch finishes.
+
+`build_kit(cfg, agents, ...)` is the one constructor of the parts that play and score episodes: the policy (from
+the config or a checkpoint), what episodes sample from (the policy, or a generation server), the coach and the
+sandbox. The training run in this process (`mappa.engine.LocalEngine`), the Ray actors
+(`mappa.distributed.actors`), `mappa rollout` and `mappa eval` all build them here, so they load, seed and
+template the same way.
 
 Sampling is seeded per call (`workflow.run(..., seed=s)`), never through the process's global RNG, so a
 rollout depends on the weights, the tasks and its seed, not on whatever ran before it.
@@ -12,11 +19,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from mappa.config import Config
 from mappa.errors import MappaError
-from mappa.protocols import ProgressFn, Runtime, Workflow
+from mappa.protocols import PolicyLike, ProgressFn, Runtime, Workflow
 from mappa.types import Episode, Task, write_jsonl
+
+if TYPE_CHECKING:
+    from mappa.coach import CoachRunner
+    from mappa.policy import Policy
+    from mappa.sandbox import Sandbox
 
 
 def pick_tasks(tasks: Sequence[Task], n: int, seed: int, start: int = 0, stratify_by: str = "") -> list[Task]:
@@ -70,6 +83,93 @@ def train_tasks(cfg: Config) -> list[Task]:
     return tasks
 
 
+# ---------------------------------------------------------------------------------------------------- the parts
+@dataclass
+class Kit:
+    """A run's parts: the weights, what episodes sample from, the coach and the code tool (None: not built)."""
+
+    cfg: Config
+    policy: Policy
+    generator: PolicyLike  # the policy itself, or a generation server's client (`mappa.generation`)
+    coach: CoachRunner | None = None
+    sandbox: Sandbox | None = None
+    plugin_coach: bool = False  # the coach is a plug-in (import path or object): its self-test only asks it once
+
+    def runtime(self) -> Runtime:
+        """What a batch of training episodes is played with: its actions scored by the coach as they land."""
+        return Runtime(self.generator, self.sandbox, self.coach)
+
+    def self_test(self, agents: Sequence[str], workflow: str) -> list[str]:
+        """`mappa.selftest.run_self_test` of these parts (the coach and sandbox built), at the run's temperature."""
+        from mappa.selftest import run_self_test
+
+        temperature, plugin = self.cfg.generation.temperature, self.plugin_coach
+        score = self.coach.score_many
+        return run_self_test(self.policy, agents, self.sandbox, score, workflow, temperature, plugin_coach=plugin)
+
+    def close(self) -> None:
+        from mappa.generation import close_generator
+
+        close_generator(self.generator)
+        for part in (self.sandbox, self.coach):
+            if part is not None:
+                part.close()
+
+    def __enter__(self) -> Kit:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _load_policy(cfg: Config, agents: Sequence[str], device: str | None, weights: Path | None) -> Policy:
+    """The configured model with one set of weights per agent (seeded), or a checkpoint's `weights` directory,
+    which must hold every agent of `agents`."""
+    from mappa.policy import MANIFEST, Policy
+
+    template = cfg.generation.chat_template_kwargs  # prompts templated as generation templates them
+    if weights is not None:
+        policy = Policy.from_checkpoint(weights, device=device or cfg.model.device, chat_template_kwargs=template)
+        if missing := [a for a in agents if a not in policy.agents]:
+            raise MappaError(
+                f"{weights / MANIFEST}: the checkpoint has agents {list(policy.agents)}, workflow "
+                f"{cfg.workflow.name!r} needs {missing} too"
+            )
+        return policy
+    model = cfg.model if device is None else cfg.model.model_copy(update={"device": device})
+    return Policy.from_config(
+        model, agents, seed=cfg.seed, generation_batch_size=cfg.generation.batch_size, chat_template_kwargs=template
+    )
+
+
+def build_kit(
+    cfg: Config, agents: Sequence[str], *, workflow: str | None = None, coach: bool = True, coach_plugin: Any = None,
+    sandbox: bool = True, generator: bool = False, run_dir: Path | None = None, device: str | None = None,
+    weights: Path | None = None,
+) -> Kit:  # fmt: skip
+    """The parts of a run over `agents`: the policy (`weights`: a checkpoint's instead of the configured model;
+    `device`: instead of `model.device`), then the generation backend when `generator` (else episodes sample from
+    the policy), the coach for `workflow` (default `workflow.name`; `coach_plugin`: an object from Python used
+    instead of `coach.backend`) and the sandbox. A part that fails to start closes those built before it."""
+    from mappa.coach import build_coach
+    from mappa.generation import build_generator
+    from mappa.sandbox import Sandbox
+
+    policy = _load_policy(cfg, agents, device, weights)
+    kit = Kit(cfg, policy, policy, plugin_coach=cfg.coach.is_plugin or coach_plugin is not None)
+    try:
+        if generator:  # a server starts with no adapters: `step_sync` publishes the run's first ones
+            kit.generator = build_generator(cfg, policy, run_dir)
+        if coach:
+            kit.coach = build_coach(cfg.coach, workflow or cfg.workflow.name, policy=policy, plugin=coach_plugin)
+        if sandbox:
+            kit.sandbox = Sandbox(cfg.sandbox)
+    except BaseException:
+        kit.close()
+        raise
+    return kit
+
+
 @dataclass
 class RolloutResult:
     episodes: list[Episode]
@@ -91,25 +191,14 @@ def rollout(
     Whole lines per batch: a killed run keeps the batches it finished. `progress(episodes done, total)` after
     each batch, `batch_progress(actions done, total)` within one. Batch k samples from seed `cfg.seed + k`.
     """
-    from mappa.coach import build_coach
-    from mappa.policy import Policy
-    from mappa.sandbox import Sandbox
-
-    policy = Policy.from_config(cfg.model, workflow.agents, seed=cfg.seed)
-    coach = build_coach(cfg.coach, workflow.name, policy)
-    sandbox = Sandbox(cfg.sandbox)
     done: list[Episode] = []
     size = cfg.generation.batch_size
     start = time.perf_counter()
-    try:
+    with build_kit(cfg, workflow.agents, workflow=workflow.name) as kit:
         for k, lo in enumerate(range(0, len(tasks), size)):
-            rt = Runtime(policy, sandbox, scorer=coach)
-            batch = workflow.run(tasks[lo : lo + size], rt, seed=cfg.seed + k, progress=batch_progress)
+            batch = workflow.run(tasks[lo : lo + size], kit.runtime(), seed=cfg.seed + k, progress=batch_progress)
             write_jsonl(out, batch, append=lo > 0)
             done.extend(batch)
             if progress is not None:
                 progress(len(done), len(tasks))
-    finally:
-        sandbox.close()
-        coach.close()
-    return RolloutResult(done, time.perf_counter() - start, coach.stats())
+    return RolloutResult(done, time.perf_counter() - start, kit.coach.stats())

@@ -142,7 +142,7 @@ def check_sandbox(sandbox: Any) -> str:
     return f"code tool: print(6 * 7) -> 42 in {result.duration_s:.2f} s"
 
 
-def check_coach(score_many: Any, workflow_name: str, agent: str) -> str:
+def check_coach(score_many: Any, workflow_name: str, agent: str, plugin: bool = False) -> str:
     messages = (Message(role="user", content="What is 2 + 3? Answer in \\boxed{}."),)
     ctx = CoachContext(
         task="What is 2 + 3?",
@@ -155,6 +155,9 @@ def check_coach(score_many: Any, workflow_name: str, agent: str) -> str:
         ground_truth="5",
     )
     score = score_many([ctx])[0]
+    if plugin:  # a plug-in may leave a context of another workflow unscored; its range is checked on every score
+        shown = "unscored" if score.score is None else f"score {score.score:g}"
+        return f"coach: the plug-in answered a trivial context ({shown})"
     if score.score is None and score.error is not None and score.error.startswith(REQUEST_FAILED):
         raise MappaError(f"self-test: the coach did not answer ({score.error})")
     if score.score is None:
@@ -167,11 +170,11 @@ def check_coach(score_many: Any, workflow_name: str, agent: str) -> str:
 
 def run_self_test(
     policy: Any, agents: Sequence[str], sandbox: Any, score_many: Any, workflow_name: str,
-    temperature: float = PROBE_TEMPERATURE,
+    temperature: float = PROBE_TEMPERATURE, plugin_coach: bool = False,
 ) -> list[str]:  # fmt: skip
     """All three checks; raises MappaError on the first failure, else returns a line per check. `temperature`:
     the run's `generation.temperature`, which check 1 samples at."""
     lines = check_agents(policy, agents, temperature=temperature)
     lines.append(check_sandbox(sandbox))
-    lines.append(check_coach(score_many, workflow_name, agents[-1]))
+    lines.append(check_coach(score_many, workflow_name, agents[-1], plugin=plugin_coach))
     return lines

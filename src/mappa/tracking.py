@@ -1,13 +1,16 @@
-"""The run directory and its files: one `log(metrics, step)` to metrics.jsonl (plus TensorBoard and W&B).
+"""The run directory and its files: one `log(metrics, step)` to metrics.jsonl, and to the experiment trackers.
 
 Metric names are namespaced (`agent/code_executor/clip_frac`, `train/accuracy`, `eval/aime2025/accuracy`,
 `coach/unscored_rate`). The JSONL files are the source of truth: reports are rebuilt from them without
-rerunning anything. `new_run_dir` records what is needed to reproduce a run (resolved config, git commit,
-package versions, command line).
+rerunning anything. The trackers of `logging.report_to` (TensorBoard, W&B, MLflow, trackio) get the same rows
+through accelerate's tracker classes, used without an Accelerator; run.json keeps each tracker's run id, so a
+resumed run logs on to the same tracked run. `new_run_dir` records what is needed to reproduce a run (resolved
+config, git commit, package versions, command line).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -15,6 +18,7 @@ import platform
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from datetime import datetime
 from importlib import metadata
@@ -28,20 +32,22 @@ from mappa.types import Episode
 
 VERSIONED = ("mappa-rl", "torch", "transformers", "peft", "pydantic", "openai", "math-verify", "numpy")
 RUN_LOGS = ("episodes.jsonl", "metrics.jsonl", "eval/summary.jsonl")  # logs with one row per step (or eval)
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # `logging.report_to`'s values, each its package's name
 
 
 class Tracker:
-    """Writes one JSON line per `log` call to `run_dir/metrics.jsonl`, plus the optional sinks.
+    """Writes one JSON line per `log` call to `run_dir/metrics.jsonl`, then the same metrics to each tracker.
 
-    A sink that is asked for but not installed is skipped with a line in `warnings` (the caller shows it).
+    A tracker whose package is not installed, or that fails to start (no W&B login, an MLflow server down), is
+    skipped with a line in `warnings` (the caller shows it): metrics.jsonl has everything, so the run goes on.
     """
 
     def __init__(
         self,
         run_dir: str | Path,
         *,
-        tensorboard: bool = True,
-        wandb_project: str | None = None,
+        report_to: Sequence[str] = ("tensorboard",),
+        project: str = "mappa",
         run_name: str = "run",
         config: dict[str, Any] | None = None,
     ) -> None:
@@ -49,40 +55,120 @@ class Tracker:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         self.warnings: list[str] = []
-        self._tb = None
-        self._wandb = None
-        if tensorboard:
-            # torch's writer needs only the `tensorboard` package; absent, JSONL still has everything.
+        self._sinks: list[Any] = []  # accelerate GeneralTrackers, started
+        self._tensorboard = False  # asked for and installed: its writer starts at the first `log`
+        for name in report_to:
+            if name not in TRACKERS:
+                raise ValueError(f"unknown tracker {name!r} (one of {', '.join(TRACKERS)})")
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                importlib.import_module(name)
             except ImportError:
-                self.warnings.append("tensorboard not installed: metrics go to metrics.jsonl only")
-            else:
-                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
-        if wandb_project:
+                self.warnings.append(f"logging.report_to: {name} is not installed (pip install {name}); skipped")
+                continue
+            if name == "tensorboard":
+                self._tensorboard = True
+                continue
             try:
-                import wandb
-            except ImportError:
-                self.warnings.append(f"logging.wandb_project={wandb_project!r} set but wandb is not installed")
-            else:
-                self._wandb = wandb.init(project=wandb_project, name=run_name, config=config, dir=str(self.run_dir))
+                self._sinks.append(self._start(name, project, run_name, config or {}))
+            except Exception as e:  # any failure of a third-party client: metrics.jsonl still has every row
+                why = " ".join(str(e).split())[:200] or type(e).__name__
+                self.warnings.append(f"logging.report_to: {name} did not start ({why}); skipped")
+
+    def _start(self, name: str, project: str, run_name: str, config: dict[str, Any]) -> Any:
+        """Start one tracker on the run id kept in run.json (a new one the first time)."""
+        from accelerate.tracking import MLflowTracker, TrackioTracker, WandBTracker
+
+        _accelerate_state()
+        ids = tracker_ids(self.run_dir)
+        if name == "wandb":  # our own id, kept before the run starts: a kill during init still resumes it
+            run_id = ids.get("wandb") or uuid.uuid4().hex[:16]
+            remember_tracker_id(self.run_dir, "wandb", run_id)
+            sink = WandBTracker(
+                project, id=run_id, resume="allow", name=run_name, config=config, dir=str(self.run_dir)
+            )
+        elif name == "trackio":  # trackio resumes a run by its name within the project
+            run_id = ids.get("trackio") or run_name
+            remember_tracker_id(self.run_dir, "trackio", run_id)
+            sink = TrackioTracker(project, name=run_id, resume="allow", config=config)
+        else:  # mlflow: the run id is MLflow's own, known once the run has started
+            sink = MLflowTracker(experiment_name=project, run_id=ids.get("mlflow"), run_name=run_name)
+        sink.start()
+        if name == "mlflow" and "mlflow" not in ids:  # params are write-once in MLflow: set them on a new run only
+            remember_tracker_id(self.run_dir, "mlflow", sink.tracker.info.run_id)
+            sink.store_init_configuration(_flat(config))
+        return sink
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+        purge_step = 0
+        if self._tensorboard:  # the step after the last one metrics.jsonl holds, read before this row lands
+            purge_step = max((r["step"] for r in read_metrics(self.run_dir)), default=-1) + 1
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
-        if self._tb is not None:
-            for k, v in clean.items():
-                self._tb.add_scalar(k, v, step)
-            self._tb.flush()
-        if self._wandb is not None:
-            self._wandb.log(clean, step=step)
+        if self._tensorboard:
+            self._start_tensorboard(purge_step)
+        for sink in self._sinks:
+            sink.log(clean, step=step)
+
+    def _start_tensorboard(self, purge_step: int) -> None:
+        """The event writer, in run_dir/tensorboard, started at the first `log`: by then a resume has cut
+        metrics.jsonl back to its checkpoint's step, and `purge_step` (the step after that) makes TensorBoard
+        hide the events the killed run wrote after it, as metrics.jsonl forgot them (`drop_lines_after`)."""
+        from accelerate.tracking import TensorBoardTracker
+
+        _accelerate_state()
+        sink = TensorBoardTracker("tensorboard", self.run_dir, purge_step=purge_step)
+        sink.start()
+        self._sinks.append(sink)
+        self._tensorboard = False
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            sink.finish()
+
+
+def _accelerate_state() -> None:
+    """accelerate's trackers log through its logger, which needs its process state: in this one process (the
+    driver, also with --ray; never a launcher's rank) that is a single process on the default device, no
+    process group and no device switch."""
+    from accelerate import PartialState
+
+    PartialState()
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"train": {"lr": 1e-5}} -> {"train.lr": 1e-5}: MLflow params are flat key-value pairs."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def tracker_ids(run_dir: str | Path) -> dict[str, str]:
+    """The run ids of the trackers this run logged to, from run.json (`{"wandb": ..., "mlflow": ...}`)."""
+    return dict(_run_json(Path(run_dir)).get("trackers", {}))
+
+
+def remember_tracker_id(run_dir: str | Path, name: str, run_id: str) -> None:
+    """Keep `name`'s run id in run.json's "trackers", beside what `new_run_dir` wrote there."""
+    meta = _run_json(Path(run_dir))
+    if meta.get("trackers", {}).get(name) == run_id:
+        return
+    meta["trackers"] = {**meta.get("trackers", {}), name: run_id}
+    atomic_write(Path(run_dir) / "run.json", json.dumps(meta, indent=1))
+
+
+def _run_json(run_dir: Path) -> dict[str, Any]:
+    """run.json as a dict; {} when it is missing, empty (claimed, not yet written) or not a JSON object."""
+    try:
+        meta = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:

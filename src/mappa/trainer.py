@@ -1,7 +1,9 @@
 """`mappa train`: REINFORCE++ per agent from per-action coach scores (method.md section 2).
 
 Read top to bottom: `setup()` builds the run state (or restores it from the last checkpoint), `train_step()`
-is one step, `train()` is the loop. One step:
+is one step, `train()` is the loop. The work runs on the run's engine (`mappa.protocols.Engine`): in this
+process (`mappa.engine.LocalEngine`), or on Ray actors with `--ray` (`mappa.distributed`); the loop is the same
+either way. One step:
   1. draw `prompts_per_step` tasks (`rollout.pick_tasks`: a seeded permutation per pass; the cursor is
      checkpointed) and play `samples_per_prompt` episodes of each in lockstep, sampling from the seed
      `seed + step` (`generation.backend`: the policy itself, or a LoRA server sent each step's adapters);
@@ -20,7 +22,8 @@ is one step, `train()` is the loop. One step:
      AdamW); from the second step on the ratio leaves 1 and the clip acts. The learning rate of each step
      follows warm-up then cosine to a floor over the run's progress (`rl.lr_factor`); each group has its
      own optimizer and learning rate (`train.agent_lr`);
-  5. log metrics, write every episode to episodes.jsonl, checkpoint atomically, evaluate every
+  5. the new weights to whatever samples the next episodes (`Engine.step_sync`: a server gets the adapters, Ray's
+     rollout workers a copy); log metrics, write every episode to episodes.jsonl, checkpoint atomically, evaluate every
      `eval_every` steps (always at start and end) with the rule-based answer check; at the end the gain
      over the start with its 95% interval.
 
@@ -41,26 +44,27 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from mappa.checkpoint import kept_rng, restore_run, save_checkpoint
+from mappa.checkpoint import kept_rng
 from mappa.config import Config, dump_config
+from mappa.engine import Place, open_engine
 from mappa.errors import MappaError
-from mappa.evaluate import eval_gain, eval_tasks, evaluate, gain_metrics, write_eval
-from mappa.generation import adapter_root, build_generator, close_generator, step_sync
+from mappa.evaluate import eval_gain, eval_tasks, gain_metrics, write_eval
 from mappa.metrics import Gain, episode_metrics
 from mappa.paths import atomic_write
-from mappa.protocols import ProgressFn, Runtime, Workflow
+from mappa.plugins import check_instance, qualified_name
+from mappa.protocols import Engine, ProgressFn, Workflow
 from mappa.rewards import RewardMode, per_action_scores, reward_mode, select_actions
 from mappa.rollout import pick_tasks, train_tasks
 from mappa.tracking import Tracker, append_episodes
 from mappa.types import Episode, Task
-from mappa.update import UpdateJob, apply_update, build_optimizer, config_groups
+from mappa.update import UpdateJob, UpdateSettings, config_groups
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,35 @@ class Event:
 
 
 # ---------------------------------------------------------------------------------------------------- the run
+@dataclass(frozen=True)
+class Parts:
+    """What a run may be handed from Python instead of building it from the config (`mappa.train`)."""
+
+    workflow: Workflow | None = None
+    coach: Any = None  # a coach instance, class, factory or reward function (`mappa.coach.plugin`)
+    train_tasks: Sequence[Task] | None = None
+    eval_tasks: Sequence[Task] | None = None
+
+    def names(self) -> dict[str, str]:
+        """The objects handed in, by role, as `module:qualname` (what run.json records)."""
+        objects = {"workflow": self.workflow, "coach": self.coach}
+        out = {role: qualified_name(obj) for role, obj in objects.items() if obj is not None}
+        out.update({role: f"{len(tasks)} tasks" for role, tasks in self._tasks().items()})
+        return out
+
+    def _tasks(self) -> dict[str, Sequence[Task]]:
+        return {k: v for k, v in (("train_tasks", self.train_tasks), ("eval_tasks", self.eval_tasks)) if v is not None}
+
+
+def _held_out(cfg: Config, tasks: Sequence[Task] | None) -> list[Task]:
+    if tasks is None:
+        return eval_tasks(cfg)
+    held_out = list(tasks)[: cfg.eval.max_tasks]
+    if not held_out:
+        raise MappaError("eval_tasks: no evaluation tasks given")
+    return held_out
+
+
 @dataclass
 class Run:
     """Everything a training run holds between steps."""
@@ -82,10 +115,7 @@ class Run:
     run_dir: Path
     workflow: Workflow
     groups: dict[str, list[str]]  # update group -> its agents: one per agent, or "shared" for all
-    policy: Any
-    optimizers: dict[str, torch.optim.Optimizer]
-    sandbox: Any
-    coach: Any
+    engine: Engine  # where episodes play and weights update: this process, or a Ray cluster (`mappa.engine`)
     tracker: Tracker
     train_set: list[Task]
     held_out: list[Task]
@@ -95,62 +125,60 @@ class Run:
     step: int = 0
     cursor: int = 0  # tasks drawn so far from the training stream
     unscored_steps: int = 0  # consecutive steps in which the coach scored no action (`train.max_unscored_steps`)
-    generator: Any = None  # what episodes sample from: the policy, or a generation server (`mappa.generation`)
-    cluster: Any = None  # --ray: rollout workers hold sandbox and coach, trainer actors weights (mappa.distributed)
 
     def close(self) -> None:
-        close_generator(self.generator)
-        for part in (self.sandbox, self.coach, self.cluster):  # None where the cluster holds them
-            if part is not None:
-                part.close()
-        self.tracker.close()
+        try:
+            self.engine.close()
+        finally:
+            self.tracker.close()
 
 
 def setup(
     cfg: Config, run_dir: Path, *, resume: bool = False, emit: Callable[[Event], None] | None = None,
-    progress: ProgressFn | None = None, place: Callable[..., Any] | None = None,
+    progress: ProgressFn | None = None, place: Place | None = None, parts: Parts = Parts(),
 ) -> Run:  # fmt: skip
-    """Build the run: tasks, agents, optimizers, sandbox, coach, logs; restore the last checkpoint on resume.
+    """Build the run: tasks, agents, its engine (weights, optimizers, sandbox, coach), logs; restore the last
+    checkpoint on resume.
 
-    `place(cfg, run_dir, agents, groups)` (`mappa.distributed.placement`): a cluster whose rollout workers hold
-    sandboxes and coaches and whose trainer actors hold the weights and optimizers; None: all in this process."""
-    from mappa.coach import build_coach
-    from mappa.policy import Policy
-    from mappa.sandbox import Sandbox
+    `place(cfg, run_dir, agents, groups)` (`mappa.distributed.placement`): the engine of a Ray cluster whose
+    rollout workers hold sandboxes and coaches and whose trainer actors hold the weights and optimizers; None:
+    all in this process (`mappa.engine.LocalEngine`). `parts`: objects handed in from Python, used instead of
+    what the config names (a workflow or coach object: in-process runs only)."""
     from mappa.workflows import build_workflow
 
     emit = emit or (lambda event: None)
     torch.manual_seed(cfg.seed)  # LoRA dropout, if on; sampling is seeded per rollout, init by the policy
-    workflow = build_workflow(cfg)
-    groups = config_groups(cfg, workflow.agents)
-    train_set, held_out = train_tasks(cfg), eval_tasks(cfg)
-    emit(Event("status", 0, f"loading {cfg.model.name} ({len(workflow.agents)} agents, {cfg.model.agent_weights})"))
-    cluster = None if place is None else place(cfg, run_dir, workflow.agents, groups)
-    if cluster is None:
-        policy = Policy.from_config(
-            cfg.model, workflow.agents, seed=cfg.seed, generation_batch_size=cfg.generation.batch_size
+    if place is not None and (parts.workflow is not None or parts.coach is not None):
+        raise MappaError(
+            "--ray: a workflow or coach object passed from Python cannot reach the cluster's actors; name it by "
+            "import path in the config (workflow.name / coach.backend: 'module:name')"
         )
-        optimizers = {g: build_optimizer(policy, members[0], g, cfg.train) for g, members in groups.items()}
-        coach, sandbox = build_coach(cfg.coach, cfg.workflow.name, policy=policy), Sandbox(cfg.sandbox)
-    else:  # checkpoints save and restore through the cluster's stand-ins for the policy and optimizers
-        policy, optimizers, coach, sandbox = cluster.weights, cluster.optimizers, None, None
-    tracker = Tracker(
-        run_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,
-        run_name=run_dir.name, config=cfg.model_dump(mode="json"),
-    )  # fmt: skip
+    workflow = parts.workflow if parts.workflow is not None else build_workflow(cfg)
+    check_instance(workflow, "workflow")
+    groups = config_groups(cfg, workflow.agents)
+    train_set = list(parts.train_tasks) if parts.train_tasks is not None else train_tasks(cfg)
+    held_out = _held_out(cfg, parts.eval_tasks)
+    if not train_set:
+        raise MappaError("train_tasks: no training tasks given")
+    emit(Event("status", 0, f"loading {cfg.model.name} ({len(workflow.agents)} agents, {cfg.model.agent_weights})"))
+    engine = open_engine(cfg, run_dir, workflow, groups, place=place, coach=parts.coach)
+    try:
+        tracker = Tracker(
+            run_dir, report_to=cfg.logging.report_to, project=cfg.logging.project, run_name=run_dir.name,
+            config=cfg.model_dump(mode="json"),
+        )  # fmt: skip
+    except BaseException:
+        engine.close()
+        raise
     for warning in tracker.warnings:
         emit(Event("note", 0, warning))
     run = Run(
-        cfg, run_dir, workflow, groups, policy, optimizers, sandbox, coach, tracker, train_set, held_out,
-        reward_mode(cfg.coach.backend), emit, progress, cluster=cluster,
+        cfg, run_dir, workflow, groups, engine, tracker, train_set, held_out, reward_mode(cfg.coach.backend), emit,
+        progress,
     )  # fmt: skip
     try:
-        restored = restore_run(run_dir, policy=policy, optimizers=optimizers) if resume else None
-        step = restored[1]["step"] if restored else 0  # a generation server starts from this step's adapters
-        if cluster is None:
-            run.generator = build_generator(cfg, policy, run_dir, step=step)
-        else:  # the rollout workers hold their own generators
-            cluster.step_sync(step)
+        restored = engine.restore_checkpoint(run_dir) if resume else None
+        engine.step_sync(restored[1]["step"] if restored else 0)  # a generation server starts from these weights
     except BaseException:
         run.close()
         raise
@@ -161,26 +189,31 @@ def setup(
     return run
 
 
+def update_settings(cfg: Config) -> UpdateSettings:
+    """What the update reads of the run's config. A generation server samples with other kernels (maybe in
+    another dtype), so its log-probs are never the ratio's reference: they are recomputed, and their gap to the
+    trainer's is reported."""
+    served = cfg.generation.backend == "server"
+    recompute = cfg.train.recompute_old_logprobs or served
+    return UpdateSettings(cfg.train, cfg.generation.temperature, cfg.workflow.score_scale, recompute, served)
+
+
 def _update_groups(run: Run, episodes: list[Episode], scores: list[list[float | None]]) -> dict[str, float]:
-    """Select each group's actions and update its weights: one group after another here, all at once on their
-    trainer actors with --ray. Returns the `agent/<group>/...` metrics."""
+    """Select each group's actions and have the engine update each group's weights (one group after another in
+    this process, all at once on their trainer actors with --ray). Returns the `agent/<group>/...` metrics."""
     cfg, t, step, jobs, out = run.cfg, run.cfg.train, run.step, {}, {}
+    settings = update_settings(cfg)
     for i, (g, members) in enumerate(run.groups.items()):
         actions, kept, dropped = select_actions(episodes, scores, members, cfg.coach.on_unscored, t.drop_truncated)
         out[g] = {f"dropped_{why}": float(n) for why, n in dropped.items()}
         out[g].update(actions_trained=float(len(actions)), optimizer_steps=0.0)
         if kept:
-            out[g]["reward_mean"] = sum(kept) / len(kept)
-        jobs[g] = UpdateJob(actions, kept, cfg.seed * 1_000_003 + step * 101 + i, t.agent_lr.get(g, t.lr), step)
-    if run.cluster is not None:
-        run.emit(Event("status", step + 1, f"step {step + 1}: updating {len(jobs)} groups on their trainer actors"))
-        done = run.cluster.update(jobs)
-    else:
-        done = {}
-        for g, job in jobs.items():
-            if job.actions:
-                run.emit(Event("status", step + 1, f"step {step + 1}: updating {g} on {len(job.actions)} actions"))
-            done[g] = apply_update(run.policy, run.optimizers[g], job, cfg)
+            mean = out[g]["reward_mean"] = sum(kept) / len(kept)
+            # the scores' spread (population std): near 0, whitening leaves the group little signal to learn from
+            out[g]["reward_std"] = math.sqrt(sum((s - mean) ** 2 for s in kept) / len(kept))
+        seed = cfg.seed * 1_000_003 + step * 101 + i
+        jobs[g] = UpdateJob(actions, kept, seed, t.agent_lr.get(g, t.lr), step, settings)
+    done = run.engine.update(jobs, status=lambda text: run.emit(Event("status", step + 1, f"step {step + 1}: {text}")))
     return {f"agent/{g}/{k}": v for g in run.groups for k, v in {**out[g], **done[g]}.items()}
 
 
@@ -191,21 +224,14 @@ def train_step(run: Run) -> dict[str, float]:
     run.emit(Event("status", run.step + 1, f"step {run.step + 1}: rollouts"))
     tasks = pick_tasks(run.train_set, t.prompts_per_step, cfg.seed, start=run.cursor, stratify_by=t.stratify_by)
     batch, seed = [task for task in tasks for _ in range(t.samples_per_prompt)], cfg.seed + run.step + 1
-    if run.cluster is not None:  # the rollout workers play shares of the batch at once
-        episodes = run.cluster.play(batch, seed)
-    else:
-        rt = Runtime(run.generator, run.sandbox, run.coach)
-        episodes = run.workflow.run(batch, rt, seed=seed, progress=run.progress)
+    episodes = run.engine.play(batch, seed, progress=run.progress)
     t_rollout = time.perf_counter() - t0
     metrics = episode_metrics(episodes, run.workflow.agents, "train")
-    scores = per_action_scores(episodes, run.reward)
+    scores = per_action_scores(episodes, run.reward, cfg.coach.outcome_weight)
     metrics.update(_update_groups(run, episodes, scores))
     run.step += 1
     run.cursor += t.prompts_per_step
-    if run.cluster is not None:  # the new weights to every actor (and the server); generation counters
-        metrics.update(run.cluster.step_sync(run.step, metrics))
-    else:
-        metrics.update(step_sync(run.generator, run.policy, adapter_root(cfg, run.run_dir), run.step, metrics))
+    metrics.update(run.engine.step_sync(run.step, metrics))  # the new weights to whatever samples; its counters
     t_total = time.perf_counter() - t0
     rollout_tokens = sum(len(a.response_ids) for e in episodes for a in e.actions)
     update_tokens = sum(v for k, v in metrics.items() if k.startswith("agent/") and k.endswith("/tokens"))
@@ -213,16 +239,12 @@ def train_step(run: Run) -> dict[str, float]:
         {"time/rollout_s": t_rollout, "time/update_s": t_total - t_rollout,
          "time/rollout_tokens_per_s": rollout_tokens / max(t_rollout, 1e-9),
          "time/update_tokens_per_s": update_tokens / max(t_total - t_rollout, 1e-9),
-         **{f"coach/{k}": float(v) for k, v in (run.cluster or run.coach).stats().items()}}
+         **{f"coach/{k}": float(v) for k, v in run.engine.stats().items()}}
     )  # fmt: skip
     append_episodes(run.run_dir / "episodes.jsonl", episodes, run.step)
     run.tracker.log(metrics, run.step)
     if run.step % t.checkpoint_every == 0 or run.step == t.steps:
-        state = {"cursor": run.cursor}
-        save_checkpoint(
-            run.run_dir, run.step, policy=run.policy, optimizers=run.optimizers, state=state,
-            keep=run.cfg.train.keep_checkpoints,
-        )  # fmt: skip
+        run.engine.save_checkpoint(run.run_dir, run.step, {"cursor": run.cursor}, keep=t.keep_checkpoints)
     _stop_if_unscored(run, episodes, scores)
     return metrics
 
@@ -251,10 +273,7 @@ def run_eval(run: Run, tag: str) -> dict[str, float]:
     cfg = run.cfg
     what = f"{len(run.held_out)} held-out tasks x {cfg.eval.samples} at T={cfg.eval.temperature}"
     run.emit(Event("status", run.step, f"evaluating ({tag}): {what}"))
-    if run.cluster is not None:  # each rollout worker evaluates a share of the tasks
-        metrics, episodes = run.cluster.evaluate(run.held_out)
-    else:
-        metrics, episodes = evaluate(cfg, run.generator, run.sandbox, run.held_out, progress=run.progress)
+    metrics, episodes = run.engine.evaluate(run.held_out, progress=run.progress)
     write_eval(run.run_dir / "eval", tag, {"step": run.step, **metrics}, episodes)
     run.tracker.log(metrics, run.step)
     run.emit(Event("eval", run.step, tag, metrics))
@@ -271,25 +290,16 @@ class TrainResult:
 
 def train(
     cfg: Config, run_dir: Path, *, resume: bool = False, emit: Callable[[Event], None] | None = None,
-    progress: ProgressFn | None = None, place: Callable[..., Any] | None = None,
+    progress: ProgressFn | None = None, place: Place | None = None, parts: Parts = Parts(),
 ) -> TrainResult:  # fmt: skip
     """Train per the module docstring: self-test, start eval, `train.steps` steps, final eval and gain (`place`:
-    the Ray cluster, see `setup`)."""
-    from mappa.selftest import run_self_test
-
-    run = setup(cfg, run_dir, resume=resume, emit=emit, progress=progress, place=place)
+    the Ray cluster, `parts`: objects from Python; see `setup`). `mappa.train` is the entry point that also makes
+    the run directory and checks the sandbox first."""
+    run = setup(cfg, run_dir, resume=resume, emit=emit, progress=progress, place=place, parts=parts)
     try:
         if cfg.train.self_test:  # on resume too: the coach or the sandbox may have broken while the run was stopped
             with kept_rng():  # ...and without moving the RNG that the resumed steps sample from
-                agents, name = run.workflow.agents, cfg.workflow.name
-                lines = (  # with Ray on a rollout worker: its policy copy, sandbox and coach
-                    run.cluster.self_test()
-                    if run.cluster is not None
-                    else run_self_test(
-                        run.policy, agents, run.sandbox, run.coach.score_many, name, cfg.generation.temperature
-                    )
-                )
-                for line in lines:
+                for line in run.engine.self_test():  # with Ray: on a rollout worker, with its policy copy
                     run.emit(Event("note", run.step, f"self-test ok: {line}"))
         if resume:  # a resume's --set overrides are kept once its checkpoint loaded and the self-test passed
             atomic_write(run_dir / "config.yaml", dump_config(cfg))  # a kill here leaves the old one whole

@@ -1,6 +1,6 @@
 """The update: REINFORCE++ / PPO-clip on one update group's rollout batch, in mini-batches.
 
-    metrics = update_group(policy, optimizer, actions, scores, cfg, seed=step_seed)
+    metrics = update_group(policy, optimizer, actions, scores, settings, seed=step_seed)
 
 Log-probs of the reference and of the rollout-time policy come first (both before any optimizer step), the
 advantages are whitened once over the group's whole batch, then the batch is shuffled into mini-batches of
@@ -10,6 +10,9 @@ trainer actor with --ray) runs.
 
 Every log-prob here (reference, rollout-time, current) is taken at `generation.temperature`, the
 distribution the actions were sampled from (`mappa.policy.scaled_logits`), as generation reports them.
+
+The update reads no run config: its caller resolves what it needs once into `UpdateSettings` (the trainer's
+`mappa.trainer.update_settings`), so this module knows nothing of where the actions were generated.
 """
 
 from __future__ import annotations
@@ -23,15 +26,29 @@ import torch
 from mappa import rl, sharding
 from mappa.config import Config, TrainConfig
 from mappa.errors import MappaError
-from mappa.generation import logprob_gap
 from mappa.types import Action
 
-STEP_STATS = ("loss", "grad_norm", "clip_frac", "ratio_mean", "approx_kl")  # per optimizer step
+# per optimizer step; entropy: mean over the trained tokens of pi_T's entropy, from the loss's own logits
+STEP_STATS = ("loss", "grad_norm", "clip_frac", "ratio_mean", "approx_kl", "entropy")
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """What the update reads, resolved by its caller from the run's config."""
+
+    train: TrainConfig  # its recompute_old_logprobs is read only through the resolved field below
+    temperature: float  # generation.temperature: every log-prob is of the distribution the tokens came from
+    score_scale: float  # workflow.score_scale: the coach's 0-10 score times this is the action's reward
+    # PPO's old log-probs from a training forward pass, not the actions' generation-time ones: asked for, or
+    # forced because a generation server (other kernels, maybe another dtype) produced them
+    recompute_old_logprobs: bool
+    # the actions' log-probs came from a generation server: report how far they are from the trainer's
+    report_logprob_gap: bool
 
 
 def _optimizer_step(
     policy: Any, optimizer: torch.optim.Optimizer, actions: Sequence[Action], idx: Sequence[int],
-    old_logp: torch.Tensor, adv: torch.Tensor, cfg: Config,
+    old_logp: torch.Tensor, adv: torch.Tensor, settings: UpdateSettings,
 ) -> dict[str, float]:  # fmt: skip
     """One optimizer step on the mini-batch `idx`: micro-batches (sorted by length to pad less), each weighted
     by its share of the mini-batch's tokens, so the loss is the mini-batch's token mean.
@@ -40,22 +57,23 @@ def _optimizer_step(
     makes an idle pass of weight 0, since every rank must run as many forward and backward passes (their
     gathers are collective). FSDP averages the ranks' gradients, so each rank's loss is scaled by their
     number; the sum over ranks is then the whole mini-batch's."""
-    t = cfg.train
+    t = settings.train
     rank, world = sharding.rank_world()
     order = sorted(idx, key=lambda i: len(actions[i].response_ids))
     micro = [order[i : i + t.micro_batch_size] for i in range(0, len(order), t.micro_batch_size)]
     mine = [(micro[j], 1.0) for j in sharding.shares(len(micro), world, rank)]
     mine += [(micro[0][:1], 0.0)] * (sharding.passes(len(micro), world) - len(mine))
     total = float(sum(len(actions[i].response_ids) for i in idx))
-    sums = torch.zeros(len(STEP_STATS) - 1, dtype=torch.float64)  # loss, clip_frac, ratio_mean, approx_kl
+    sums = torch.zeros(len(STEP_STATS) - 1, dtype=torch.float64)  # loss, clip_frac, ratio_mean, approx_kl, entropy
     optimizer.zero_grad(set_to_none=True)
     with torch.enable_grad():
         for rows, share in mine:
-            logp, m = policy.forward_logprobs(
+            logp, m, ent = policy.forward_logprobs(
                 actions[0].agent,
                 [actions[i].prompt_ids for i in rows],
                 [actions[i].response_ids for i in rows],
-                temperature=cfg.generation.temperature,
+                temperature=settings.temperature,
+                entropy=True,
             )
             sel, width = torch.tensor(rows, device=old_logp.device), m.shape[1]
             loss, stats = rl.clipped_pg_loss(
@@ -63,14 +81,15 @@ def _optimizer_step(
             )
             weight = share * float(m.sum()) / total
             (loss * (weight * world)).backward()
-            sums += torch.tensor([float(loss.detach()), stats["clip_frac"], stats["ratio_mean"], stats["approx_kl"]],
-                                 dtype=torch.float64) * weight  # fmt: skip
+            entropy = float(ent.sum()) / max(float(m.sum()), 1.0)  # this micro-batch's token mean
+            sums += torch.tensor([float(loss.detach()), stats["clip_frac"], stats["ratio_mean"], stats["approx_kl"],
+                                  entropy], dtype=torch.float64) * weight  # fmt: skip
     sharding.all_sum(sums)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    out = dict(zip(("loss", "clip_frac", "ratio_mean", "approx_kl"), sums.tolist(), strict=True))
+    out = dict(zip(("loss", "clip_frac", "ratio_mean", "approx_kl", "entropy"), sums.tolist(), strict=True))
     return {
         **out,
         "grad_norm": float(sharding.host(grad_norm)),
@@ -107,8 +126,8 @@ def _logprobs(
 
 
 def update_group(
-    policy: Any, optimizer: torch.optim.Optimizer, actions: Sequence[Action], scores: Sequence[float], cfg: Config,
-    *, seed: int = 0, lr: Callable[[float], float] | None = None,
+    policy: Any, optimizer: torch.optim.Optimizer, actions: Sequence[Action], scores: Sequence[float],
+    settings: UpdateSettings, *, seed: int = 0, lr: Callable[[float], float] | None = None,
     on_step: Callable[[dict[str, float]], None] | None = None,
 ) -> dict[str, float]:  # fmt: skip
     """REINFORCE++ / PPO-clip on one group's rollout batch, in mini-batches; returns the update's metrics.
@@ -119,19 +138,19 @@ def update_group(
     `lr(f)`: the learning rate of the optimizer step that ends at fraction `f` of this update (None: leave
     the optimizer's). `on_step(stats)` after each optimizer step (loss, grad_norm, clip_frac, ratio_mean, ...).
     """
-    t, temp = cfg.train, cfg.generation.temperature
+    t, temp = settings.train, settings.temperature
     prompts, responses = [a.prompt_ids for a in actions], [a.response_ids for a in actions]
     # Both before the first optimizer step: the reference, and the rollout-time policy every ratio is against.
     # All at the sampling temperature: the ratio and the KL must refer to the distribution the tokens came from.
     ref_logp, mask = _logprobs(policy, None, prompts, responses, t.micro_batch_size, temp)
     mask, ref_logp = mask.float(), ref_logp.float()
-    if t.recompute_old_logprobs or cfg.generation.backend == "server":  # a server: other kernels, maybe dtype
+    if settings.recompute_old_logprobs:
         old_logp = _logprobs(policy, actions[0].agent, prompts, responses, t.micro_batch_size, temp)[0].float()
     else:
         rows = [torch.tensor(a.logprobs, dtype=torch.float32) for a in actions]
         old_logp = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(mask.device)
     # the coach's 0-10 score at the workflow's scale (score / 10 for MathChat, raw for data science)
-    scale = cfg.workflow.score_scale  # scaled in float64, then rounded once: score / 10 as it always was
+    scale = settings.score_scale  # scaled in float64, then rounded once: score / 10 as it always was
     score_t = torch.tensor([s * scale for s in scores], dtype=torch.float32, device=mask.device)
     adv = rl.reinforce_pp_advantages(score_t, old_logp, ref_logp, mask, t.kl_coef, t.gamma)  # whitened once
     batches = rl.minibatches(len(actions), t.mini_batch_size, t.epochs, seed)
@@ -140,7 +159,7 @@ def update_group(
         if lr is not None:
             for group in optimizer.param_groups:
                 group["lr"] = lr((j + 1) / len(batches))
-        steps.append(_optimizer_step(policy, optimizer, actions, idx, old_logp, adv, cfg))
+        steps.append(_optimizer_step(policy, optimizer, actions, idx, old_logp, adv, settings))
         if on_step is not None:
             on_step(steps[-1])
     tokens = sum(s["tokens"] for s in steps)
@@ -151,8 +170,14 @@ def update_group(
         "kl": float((old_logp - ref_logp)[valid].mean()) if valid.any() else 0.0,
         "advantage_abs": float(adv[valid].abs().mean()) if valid.any() else 0.0,
         "tokens": float(mask.sum()),
-        **({"logprob_gap": logprob_gap(actions, old_logp)} if cfg.generation.backend == "server" else {}),
+        **({"logprob_gap": _logprob_gap(actions, old_logp)} if settings.report_logprob_gap else {}),
     }
+
+
+def _logprob_gap(actions: Sequence[Action], old_logp: torch.Tensor) -> float:
+    """Mean |log pi_trainer - log pi_server| per token (`rl.logprob_gap`); a server that leaves the stop token's
+    log-prob out covers one token fewer."""
+    return rl.logprob_gap(old_logp, [a.logprobs[: len(a.response_ids)] for a in actions])
 
 
 @dataclass(frozen=True)
@@ -164,16 +189,19 @@ class UpdateJob:
     seed: int  # the mini-batch shuffle
     peak_lr: float
     step: int  # steps done before this one: where the learning-rate schedule stands
+    settings: UpdateSettings  # resolved once by the run, so a trainer actor needs no config to update
 
 
-def apply_update(policy: Any, optimizer: torch.optim.Optimizer, job: UpdateJob, cfg: Config) -> dict[str, float]:
+def apply_update(policy: Any, optimizer: torch.optim.Optimizer, job: UpdateJob) -> dict[str, float]:
     """`update_group` on the job (nothing without actions); returns its metrics and the learning rate after it."""
-    t = cfg.train
+    t = job.settings.train
 
     def lr(fraction: float) -> float:  # where this optimizer step ends in the whole run
         return job.peak_lr * rl.lr_factor((job.step + fraction) / max(t.steps, 1), t.warmup_ratio, t.min_lr_ratio)
 
-    out = update_group(policy, optimizer, job.actions, job.scores, cfg, seed=job.seed, lr=lr) if job.actions else {}
+    out: dict[str, float] = {}
+    if job.actions:
+        out = update_group(policy, optimizer, job.actions, job.scores, job.settings, seed=job.seed, lr=lr)
     return {**out, "lr": optimizer.param_groups[0]["lr"]}
 
 

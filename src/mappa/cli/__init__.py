@@ -1,4 +1,5 @@
-"""`mappa` command line: train, eval, rollout, coach, serve, sandbox, trace, probe, report, blame, compare, dsbench.
+"""`mappa` command line: train, eval, rollout, coach, serve, export, sandbox, trace, probe, report, blame, compare,
+dsbench.
 
 The CLI layer is the edge: every command and all console output live in `mappa.cli.<command>`; domain
 modules return records and take an optional progress callback. This module only parses arguments and
@@ -12,6 +13,7 @@ import argparse
 import os
 import sys
 
+from mappa import __version__
 from mappa.errors import MappaError
 
 # torch's OpenMP threads spin while they wait for work. On a CPU that another process also uses (a laptop,
@@ -118,6 +120,24 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     )
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from mappa.cli.export import export_command
+
+    return export_command(
+        args.run_dir, args.out, checkpoint=args.checkpoint, merge=args.merge, push_to_hub=args.push_to_hub
+    )
+
+
+def _add_export_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="a run's agents as adapters or merged models, a model card and a vLLM line")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--checkpoint", default=None, metavar="NAME|PATH", help="default: the run's latest checkpoint")
+    p.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) directory")
+    p.add_argument("--merge", action="store_true", help="each agent's adapter merged into a full model")
+    p.add_argument("--push-to-hub", default=None, metavar="REPO", help="upload DIR to this Hub model repository")
+    p.set_defaults(func=_cmd_export)
+
+
 def _add_probe_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("probe", help="specialisation and forgetting per checkpoint (KL from the base, NLLs)")
     p.add_argument("run_dir")
@@ -144,6 +164,22 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from mappa.cli.compare import compare_command
 
     return compare_command(args.run_dirs, json_out=args.json)
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    from mappa.cli.config_show import config_show_command
+
+    return config_show_command(args.config, args.overrides, schema=args.schema)
+
+
+def _add_config_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("config", help="the resolved config with every field's help, and its JSON schema")
+    csub = p.add_subparsers(dest="config_command", required=True)
+    c = csub.add_parser("show", help="print the config (preset or defaults, then --set) as commented YAML")
+    c.add_argument("config", nargs="?", default=None, help="YAML preset (default: built-in defaults)")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument("--schema", default=None, metavar="PATH", help="also write the config's JSON schema to PATH")
+    c.set_defaults(func=_cmd_config_show)
 
 
 def _cmd_dsbench(args: argparse.Namespace) -> int:
@@ -231,6 +267,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mappa", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"mappa {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a team of agents with per-action coach rewards")
@@ -287,9 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="only episodes of this step")
     p.set_defaults(func=_cmd_trace)
 
+    _add_export_command(sub)
     _add_probe_command(sub)
     _add_analysis_commands(sub)
     _add_dsbench_parser(sub)
+    _add_config_parser(sub)
     return parser
 
 

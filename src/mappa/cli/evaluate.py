@@ -2,7 +2,7 @@
 
 Also the console table of an evaluation (`print_eval`), shared with `mappa train`: per agent tool use,
 response length, truncation; per task source and pooled, the accuracy with its Wilson 95% interval; on tabular
-tasks DSBench's gap and reference fraction, and, given the episodes, the paper's fair figures beside them.
+tasks DSBench's gap and reference fraction, and the paper's fair figures beside them.
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ from rich.table import Table
 
 from mappa.cli.confinement import print_confinement
 from mappa.config import Config
-from mappa.errors import MappaError
 from mappa.evaluate import eval_tasks, evaluate, policy_dir, write_eval
-from mappa.metrics import sources, wilson_interval
+from mappa.metrics import PAPER_FIGURES, sources, wilson_interval
 from mappa.protocols import ProgressFn
-from mappa.types import Episode
 
 COLUMNS = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
 
@@ -59,38 +57,24 @@ def tabular_table(metrics: dict[str, float], prefix: str = "eval") -> Table | No
     if f"{head}/episodes" not in metrics:
         return None
     table = Table(title_justify="left")
-    for col in ("data type", "episodes", "valid [95% CI]", "gap", "of reference"):
+    paper = any(k.startswith(f"{head}/paper/") for k in metrics)  # the paper's fair figures, when episodes had them
+    for col in ("data type", "episodes", "valid [95% CI]", "gap", "of reference",
+                *(("accuracy", "F1", "RMSE % range", "RMSE % IQR") if paper else ())):  # fmt: skip
         table.add_column(col, justify="left" if col == "data type" else "right")
     types = sorted({k[len(head) + 1 :].split("/")[0] for k in metrics if k.startswith(head + "/")} - {"valid_rate",
-                   "gap", "reference_fraction", "episodes"})  # fmt: skip
+                   "gap", "reference_fraction", "episodes", "paper"})  # fmt: skip
     for name, key in [*((t, f"{head}/{t}") for t in types), ("[bold]all[/]", head)]:
         n = metrics[f"{key}/episodes"]
+        figures = [_paper_cell(metrics.get(f"{key}/paper/{k}"), k) for k in PAPER_FIGURES] if paper else []
         table.add_row(name, f"{n:.0f}", pct_ci(metrics[f"{key}/valid_rate"], n), f"{metrics[f'{key}/gap']:.3f}",
-                      f"{metrics[f'{key}/reference_fraction']:.2f}")  # fmt: skip
+                      f"{metrics[f'{key}/reference_fraction']:.2f}", *figures)  # fmt: skip
     return table
 
 
-def paper_table(episodes: Sequence[Episode]) -> Table | None:
-    """The paper's fair figures of the tabular episodes (`Episode.meta["submission"]["paper"]`), per data type
-    and pooled, beside the success rate: a failed run counts with its fallback (docs/dsbench.md). None when no
-    episode has them."""
-    rows = [e for e in episodes if (e.meta.get("submission") or {}).get("paper")]
-    if not rows:
-        return None
-    from mappa.tasks.dsbench.metrics import PAPER_FIGURES, fair_means  # scikit-learn: only with tabular tasks
-
-    table = Table(title="paper's fair figures", title_justify="left")
-    for col in ("data type", "episodes", "success", "accuracy", "F1", "RMSE % range", "RMSE % IQR"):
-        table.add_column(col, justify="left" if col == "data type" else "right")
-    kinds = sorted({str(e.task.meta.get("data_type", "unknown")) for e in rows})
-    for name, mine in [*((k, [e for e in rows if str(e.task.meta.get("data_type", "unknown")) == k]) for k in kinds),
-                       ("[bold]all[/]", rows)]:  # fmt: skip
-        means = fair_means([e.meta["submission"]["paper"] for e in mine])
-        cells = [f"{means[k]:.3f}" if k in means and k in ("accuracy", "f1") else
-                 f"{means[k]:.1f}%" if k in means else "-" for k in PAPER_FIGURES]  # fmt: skip
-        success = sum(bool(e.meta["submission"]["valid"]) for e in mine) / len(mine)
-        table.add_row(name, str(len(mine)), f"{success:.1%}", *cells)
-    return table
+def _paper_cell(value: float | None, key: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if key in ("accuracy", "f1") else f"{value:.1f}%"
 
 
 def print_eval(
@@ -98,7 +82,6 @@ def print_eval(
     title: str,
     metrics: dict[str, float],
     agents: Sequence[str],
-    episodes: Sequence[Episode] | None = None,
 ) -> None:
     table = Table(title=title, title_justify="left")
     for col in ("agent", "tool use", "resp. tokens", "truncated", "actions/ep"):
@@ -115,8 +98,6 @@ def print_eval(
     console.print(accuracy_table(metrics))
     if (tabular := tabular_table(metrics)) is not None:
         console.print(tabular)
-    if episodes is not None and (paper := paper_table(episodes)) is not None:
-        console.print(paper)
     console.print(
         f"rule-based check; answered {metrics['eval/answered_rate']:.0%}; {metrics['eval/seconds']:.0f} s",
         highlight=False,
@@ -128,27 +109,18 @@ def eval_command(cfg: Config, checkpoint: str | None, out: str | None) -> int:
     console = Console(stderr=True)
     weights = policy_dir(Path(checkpoint)) if checkpoint is not None else None  # a typo fails before loading
     print_confinement(console, cfg)
-    from mappa.policy import MANIFEST, Policy
-    from mappa.sandbox import Sandbox
+    from mappa.rollout import build_kit
     from mappa.workflows import build_workflow
 
     agents = build_workflow(cfg).agents
     tasks = eval_tasks(cfg)
+    tag = "base" if weights is None else weights.name if weights.name != "policy" else weights.parent.name
     with console.status(f"loading {cfg.model.name if weights is None else weights}"):
-        if weights is None:
-            policy, tag = Policy.from_config(cfg.model, agents, seed=cfg.seed), "base"
-        else:
-            policy = Policy.from_checkpoint(weights, device=cfg.model.device)
-            tag = weights.name if weights.name != "policy" else weights.parent.name
-            if missing := [a for a in agents if a not in policy.agents]:
-                raise MappaError(
-                    f"{weights / MANIFEST}: the checkpoint has agents {list(policy.agents)}, workflow "
-                    f"{cfg.workflow.name!r} needs {missing} too"
-                )
+        kit = build_kit(cfg, agents, weights=weights, coach=False)  # no coach: accuracy is the rule-based check
     out_dir = Path(out) if out else (Path(checkpoint).parent.parent / "eval" if checkpoint else Path("runs/eval"))
-    with Sandbox(cfg.sandbox) as sandbox, action_bar(console, "evaluating") as progress:
-        metrics, episodes = evaluate(cfg, policy, sandbox, tasks, progress=progress)
+    with kit, action_bar(console, "evaluating") as progress:
+        metrics, episodes = evaluate(cfg, kit.policy, kit.sandbox, tasks, progress=progress)
     write_eval(out_dir, tag, metrics, episodes)
-    print_eval(console, f"eval {tag}: {len(tasks)} tasks x {cfg.eval.samples}", metrics, agents, episodes)
+    print_eval(console, f"eval {tag}: {len(tasks)} tasks x {cfg.eval.samples}", metrics, agents)
     console.print(f"wrote {out_dir / (tag + '.jsonl')}")
     return 0

@@ -15,14 +15,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress, TaskID
 
-from mappa.cli.confinement import print_confinement
+from mappa.api import train
 from mappa.cli.evaluate import COLUMNS, print_eval
 from mappa.config import Config, load_config
 from mappa.errors import MappaError
 from mappa.metrics import Gain
-from mappa.tracking import new_run_dir
-from mappa.trainer import Event, TrainResult, train
-from mappa.update import config_groups
+from mappa.trainer import Event, TrainResult
 
 
 def _mean(metrics: dict[str, float], groups: list[str], key: str) -> float:
@@ -71,9 +69,11 @@ class Printer:
             return
         self.stop_bar()
         if event.kind == "note":
+            style = "bold red" if "WARNING" in event.text else None  # hidden answers reachable (allow_unconfined)
             self.console.print(
-                event.text.replace("self-test ok:", "[green]self-test ok[/]"), highlight=False, soft_wrap=True
-            )
+                event.text.replace("self-test ok:", "[green]self-test ok[/]"), style=style, highlight=False,
+                soft_wrap=True,
+            )  # fmt: skip
         elif event.kind == "eval":
             print_eval(self.console, f"eval {event.text} (step {event.step})", event.metrics, self.agents)
         elif event.kind == "step":
@@ -119,20 +119,13 @@ def _report(console: Console, result: TrainResult) -> None:
     console.print(f"run: {result.run_dir}", highlight=False, soft_wrap=True)
 
 
-def _check_placement(cfg: Config, place: object) -> None:
-    if place is None and cfg.train.ranks > 1:
-        raise MappaError(
-            f"train.fsdp_ranks: sharding each agent over {cfg.train.ranks} processes needs --ray (docs/scale.md)"
-        )
-
-
 def train_command(cfg: Config | None, resume: str | None, overrides: list[str], ray: str | None = None) -> int:
     """`mappa train CONFIG [--set k=v]` or `mappa train --resume RUN_DIR [--set k=v]`; `--ray local|auto|ADDRESS`
     places the run's work on a Ray cluster (`mappa.distributed`).
 
-    Nothing is written before the arguments check out: a fresh run's directory is created once its config is
-    valid, and a resume rewrites the run's config.yaml (with the --set overrides) only once its checkpoint has
-    loaded and the self-test has passed (`mappa.trainer.train`)."""
+    A thin layer over `mappa.train` (`mappa.api`): nothing is written before the arguments and the sandbox check
+    out, and a resume rewrites the run's config.yaml (with the --set overrides) only once its checkpoint has
+    loaded and the self-test has passed."""
     place = None
     if ray is not None:  # a missing Ray is one line, before anything is written
         from mappa.distributed import placement
@@ -148,23 +141,14 @@ def train_command(cfg: Config | None, resume: str | None, overrides: list[str], 
         if not (run_dir / "config.yaml").is_file():
             raise MappaError(f"--resume {run_dir}: not a run directory (config.yaml missing)")
         cfg = load_config(run_dir / "config.yaml", overrides)  # --set may extend it (e.g. train.steps=20)
-        _check_placement(cfg, place)
     elif cfg is None:
         raise MappaError("mappa train: give a CONFIG file or --resume RUN_DIR")
-    else:
-        from mappa.workflows import build_workflow
-
-        config_groups(cfg, build_workflow(cfg).agents)  # a bad train.agent_lr fails before the run dir exists
-        _check_placement(cfg, place)
-        run_dir = new_run_dir(cfg)
-    from mappa.generation import check_backend
-
-    check_backend(cfg)  # what a generation server cannot serve fails before any model loads
     console = Console(stderr=True)
-    print_confinement(console, cfg, run_dir)
     printer = Printer(console, cfg)
     try:
-        result = train(cfg, run_dir, resume=resume is not None, emit=printer, progress=printer.progress, place=place)
+        result = train(
+            cfg, run_dir=resume, resume=resume is not None, emit=printer, progress=printer.progress, place=place
+        )
     finally:
         printer.stop_bar()
     _report(console, result)

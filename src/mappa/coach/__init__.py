@@ -23,6 +23,7 @@ from mappa.coach.cache import JudgmentCache, cache_key, context_hash
 from mappa.coach.caps import apply_caps
 from mappa.coach.judge import REQUEST_FAILED
 from mappa.coach.parse import expected_score, parse_answer_correct, parse_score
+from mappa.coach.plugin import load_plugin_coach, plugin_coach
 from mappa.coach.prompts import TEMPLATES, Template, build_messages, template_for
 from mappa.config import CoachConfig
 from mappa.protocols import CallCounters, Coach, ProgressFn
@@ -278,13 +279,19 @@ COACHES: dict[str, Callable[[CoachConfig, Template, Policy | None], Coach]] = {
 }
 
 
-def build_coach(cfg: CoachConfig, workflow: str, policy: Policy | None = None) -> CoachRunner:
+def build_coach(cfg: CoachConfig, workflow: str, policy: Policy | None = None, plugin: Any = None) -> CoachRunner:
     """The configured coach for `workflow`, wrapped in a runner (cache and accounting included).
 
     `policy` lets the `local` backend reuse an already loaded model (its base weights, adapters
-    disabled) when `coach.model` is empty.
+    disabled) when `coach.model` is empty. `plugin`: a coach handed in from Python (an instance, class, factory
+    or reward function, `mappa.coach.plugin`), used instead of `cfg.backend`; a `cfg.backend` that is an import
+    path is loaded the same way.
     """
-    template = template_for(cfg.template, workflow)
-    coach = COACHES[cfg.backend](cfg, template, policy)
+    if plugin is not None:
+        coach = plugin_coach(plugin, cfg)
+    elif cfg.is_plugin:
+        coach = load_plugin_coach(cfg)
+    else:
+        coach = COACHES[cfg.backend](cfg, template_for(cfg.template, workflow), policy)
     cache = JudgmentCache(cfg.cache_path or None) if cfg.cache and coach.cacheable else None
     return CoachRunner(coach, cfg, cache)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from mappa.coach import CoachRunner
-from mappa.config import Config, WorkflowConfig
+from mappa.config import BUILTIN_WORKFLOWS, Config, WorkflowConfig
 from mappa.errors import MappaError
 from mappa.protocols import ProgressFn, Workflow
 from mappa.types import CoachContext, Episode
@@ -38,10 +38,19 @@ def episode_contexts(episode: Episode, workflow: Workflow, *, outcome: bool = Fa
 
 
 def _workflow_for(cfg: Config, name: str) -> Workflow:
+    """The workflow that recorded episodes under `name`: a built-in by that name, or the config's plug-in
+    (`workflow.name: module:name`) when the workflow it builds calls itself `name`."""
+    if cfg.workflow.name not in BUILTIN_WORKFLOWS:
+        plugin = build_workflow(cfg)
+        if plugin.name == name:
+            return plugin
     try:
         section = WorkflowConfig.model_validate({**cfg.workflow.model_dump(), "name": name})
     except ValidationError:
-        raise MappaError(f"episodes: workflow {name!r} is not a known workflow") from None
+        raise MappaError(
+            f"episodes: workflow {name!r} is not a known workflow (a plug-in's: give its config, whose workflow.name "
+            "imports it)"
+        ) from None
     return build_workflow(cfg.model_copy(update={"workflow": section}))
 
 

@@ -2,7 +2,8 @@
 
 Plain classes: `mappa.distributed.cluster` wraps them with `ray.remote` when it places them, so this module
 imports without Ray and each method is the local loop's own code (`Workflow.run`, `evaluate`,
-`run_self_test`, `apply_update`, `Policy.save`) running in another process.
+`run_self_test`, `apply_update`, `Policy.save`) running in another process. Their parts (policy, generator,
+sandbox, coach) come from `mappa.rollout.build_kit`, as the local run's do.
 
 Weights travel as lists of tensors, one list per update group in the order of
 `Policy.trainable_parameters(<the group's first agent>)`: a trainer hands out its group's after each update,
@@ -20,19 +21,22 @@ import torch
 
 from mappa import sharding
 from mappa.config import Config
-from mappa.protocols import Runtime
+from mappa.rollout import Kit, build_kit
 from mappa.types import Episode, Task
 from mappa.update import UpdateJob, apply_update, build_optimizer
 
 
-def _policy(cfg: Config, agents: Sequence[str], device: str, cpus: float) -> Any:
-    """The run's policy over every agent, initialised as the local run's (same seed, same order of agents)."""
-    from mappa.policy import Policy
-
+def _kit(cfg: Config, agents: Sequence[str], device: str, cpus: float, **parts: Any) -> Kit:
+    """The actor's parts (`build_kit`): the run's policy over every agent, initialised as the local run's (same
+    seed, same order of agents), and whichever of generator, sandbox and coach `parts` asks for."""
     torch.set_num_threads(max(1, int(cpus)))  # an actor's share of the machine, not every core
     torch.manual_seed(cfg.seed)
-    model = cfg.model.model_copy(update={"device": device})
-    return Policy.from_config(model, agents, seed=cfg.seed, generation_batch_size=cfg.generation.batch_size)
+    return build_kit(cfg, agents, device=device, **parts)
+
+
+def _policy(cfg: Config, agents: Sequence[str], device: str, cpus: float) -> Any:
+    """A trainer's policy: the kit's weights, without sandbox or coach."""
+    return _kit(cfg, agents, device, cpus, coach=False, sandbox=False).policy
 
 
 def copy_weights(policy: Any, agents: Sequence[str], weights: Sequence[Sequence[torch.Tensor]]) -> None:
@@ -61,7 +65,7 @@ class Trainer:
     def update(self, job: UpdateJob) -> tuple[dict[str, float], list[torch.Tensor]]:
         """The group's update (`mappa.update.apply_update`); returns its metrics and the group's new weights
         (sharded: the first rank's; the others return none)."""
-        metrics, weights = apply_update(self.policy, self.optimizer, job, self.cfg), self.weights()
+        metrics, weights = apply_update(self.policy, self.optimizer, job), self.weights()
         return metrics, weights if self.rank == 0 else []
 
     def weights(self) -> list[torch.Tensor]:
@@ -132,63 +136,44 @@ class RolloutWorker:
     def __init__(
         self, cfg: Config, agents: Sequence[str], run_dir: str, device: str, cpus: float, base_url: str
     ) -> None:
-        from mappa.coach import build_coach
-        from mappa.generation import build_generator
-        from mappa.sandbox import Sandbox
         from mappa.workflows import build_workflow
 
         cfg = cfg.model_copy(update={"generation": cfg.generation.model_copy(update={"base_url": base_url})})
-        self.cfg = cfg
-        self.policy = _policy(cfg, agents, device, cpus)
-        self.generator = build_generator(cfg, self.policy, Path(run_dir))  # a server: adapters come by `use_version`
-        self.workflow = build_workflow(cfg)
-        self.sandbox = Sandbox(cfg.sandbox)
-        self.coach = build_coach(cfg.coach, cfg.workflow.name, policy=self.policy)
+        self.cfg, self.workflow = cfg, build_workflow(cfg)
+        # a generation server: its adapters come by `load_adapters` / `use_version`
+        self.kit = _kit(cfg, agents, device, cpus, workflow=self.workflow.name, generator=True, run_dir=Path(run_dir))
 
     def play(self, tasks: Sequence[Task], seed: int) -> tuple[list[Episode], dict[str, float]]:
         """Episodes of `tasks` (as the local loop plays them) and the generation server's counters, if any."""
         from mappa.generation import ServerPolicy
 
-        episodes = self.workflow.run(tasks, Runtime(self.generator, self.sandbox, self.coach), seed=seed)
-        return episodes, self.generator.stats() if isinstance(self.generator, ServerPolicy) else {}
+        generator = self.kit.generator
+        episodes = self.workflow.run(tasks, self.kit.runtime(), seed=seed)
+        return episodes, generator.stats() if isinstance(generator, ServerPolicy) else {}
 
     def evaluate(self, tasks: Sequence[Task]) -> list[Episode]:
         from mappa.evaluate import evaluate
 
-        return evaluate(self.cfg, self.generator, self.sandbox, tasks)[1]
+        return evaluate(self.cfg, self.kit.generator, self.kit.sandbox, tasks)[1]
 
     def self_test(self) -> list[str]:
-        from mappa.selftest import run_self_test
-
-        agents = self.workflow.agents
-        return run_self_test(
-            self.policy,
-            agents,
-            self.sandbox,
-            self.coach.score_many,
-            self.cfg.workflow.name,
-            self.cfg.generation.temperature,
-        )
+        return self.kit.self_test(self.workflow.agents, self.workflow.name)
 
     def set_weights(self, agents: list[str], *weights: list[torch.Tensor]) -> None:
-        copy_weights(self.policy, agents, weights)
+        copy_weights(self.kit.policy, agents, weights)
 
     def load_weights(self, directory: str) -> None:
-        self.policy.load_weights(directory)
+        self.kit.policy.load_weights(directory)
 
     def load_adapters(self, paths: dict[str, Path], version: int) -> float:
         """Have the generation server load the published adapters (one worker does; returns the seconds)."""
-        return self.generator.load_adapters(paths, version)
+        return self.kit.generator.load_adapters(paths, version)
 
     def use_version(self, version: int) -> None:
-        self.generator.use_version(version)
+        self.kit.generator.use_version(version)
 
     def coach_stats(self) -> dict[str, float]:
-        return self.coach.stats()
+        return self.kit.coach.stats()
 
     def close(self) -> None:
-        from mappa.generation import close_generator
-
-        close_generator(self.generator)
-        self.sandbox.close()
-        self.coach.close()
+        self.kit.close()

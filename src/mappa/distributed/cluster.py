@@ -4,10 +4,11 @@
 its address), and places, in one placement group, one trainer per update group (`train.gpus_per_agent`
 GPUs and `ray.trainer_cpus` CPUs each; with `train.fsdp_ranks` above 1, that many actors that shard the group's
 weights, `mappa.sharding`) and `ray.rollout_workers` rollout workers (`ray.worker_cpus`,
-`ray.worker_gpus`). The `Cluster` it returns is what the training loop calls instead of its in-process
-pieces: `play`, `update`, `step_sync`, `evaluate`, `self_test`, `stats`; `weights` and `optimizers` stand in
-for the policy and the optimizers when `mappa.checkpoint` saves or restores, so a checkpoint has the same
-files as a local run's. The training loop itself stays in `mappa.trainer`.
+`ray.worker_gpus`). The `Cluster` it returns is the run's `Engine` (`mappa.protocols`), as
+`mappa.engine.LocalEngine` is in one process: `play`, `update`, `step_sync`, `evaluate`, `self_test`, `stats`,
+`save_checkpoint`, `restore_checkpoint`. A checkpoint goes through `mappa.checkpoint` with stand-ins for the
+policy and the optimizers (the trainer actors hold them), so it has the same files as a local run's. The training
+loop itself stays in `mappa.trainer`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 from mappa.config import Config
 from mappa.errors import MappaError
 from mappa.metrics import episode_metrics
+from mappa.protocols import ProgressFn, StatusFn
 from mappa.types import Episode, Task
 from mappa.update import UpdateJob
 
@@ -131,7 +133,7 @@ class _Optimizer:
 
 
 class Cluster:
-    """The actors of one run (see the module docstring); `close()` ends them."""
+    """The actors of one run, as its `Engine` (see the module docstring); `close()` ends them."""
 
     def __init__(self, cfg: Config, run_dir: Path, agents: Sequence[str], groups: dict[str, list[str]], started: bool):
         from mappa.distributed.actors import RolloutWorker
@@ -154,8 +156,8 @@ class Cluster:
         ]
         self.lead = self.trainers[next(iter(groups))]  # its first rank writes checkpoints and publishes adapters
         self.actors = [*(rank for ranks in self.trainers.values() for rank in ranks), *self.workers]
-        self.weights = _Weights(self)
-        self.optimizers = {g: _Optimizer(ranks) for g, ranks in self.trainers.items()}
+        self._weights = _Weights(self)  # what `mappa.checkpoint` saves and restores, held by the actors
+        self._optimizers = {g: _Optimizer(ranks) for g, ranks in self.trainers.items()}
         self._pending: dict[str, Any] = {}  # group's first agent -> its new weights (an object ref) to hand out
         self._generation: list[dict[str, float]] = []  # the workers' generation-server counters of the last play
         try:  # every actor built (model loaded, sandbox and coach up, ranks joined), or the first one's error now
@@ -219,9 +221,9 @@ class Cluster:
         return PlacementGroupSchedulingStrategy(placement_group=self.group_pg, placement_group_bundle_index=index)
 
     # ------------------------------------------------------------------------------------------------ the loop's
-    def play(self, tasks: Sequence[Task], seed: int) -> list[Episode]:
+    def play(self, tasks: Sequence[Task], seed: int, progress: ProgressFn | None = None) -> list[Episode]:
         """The batch in one share per worker, played at once; episodes come back in task order. Share i samples
-        from `seed + 1_000_003 * i`."""
+        from `seed + 1_000_003 * i`. (No progress from inside the workers.)"""
         shares = split(tasks, len(self.workers))
         pairs = enumerate(zip(self.workers, shares, strict=True))
         refs = [w.play.remote(s, seed + 1_000_003 * i) for i, (w, s) in pairs if s]
@@ -229,8 +231,10 @@ class Cluster:
         self._generation = [stats for _, stats in results]
         return [e for episodes, _ in results for e in episodes]
 
-    def update(self, jobs: dict[str, UpdateJob]) -> dict[str, dict[str, float]]:
+    def update(self, jobs: dict[str, UpdateJob], status: StatusFn | None = None) -> dict[str, dict[str, float]]:
         """Every group's update at once, each on its trainer actor; the new weights wait for `step_sync`."""
+        if status is not None:
+            status(f"updating {len(jobs)} groups on their trainer actors")
         refs = {
             g: [rank.update.options(num_returns=2).remote(job) for rank in self.trainers[g]] for g, job in jobs.items()
         }
@@ -272,7 +276,9 @@ class Cluster:
             out["generation/logprob_gap"] = sum(gaps[g] * tokens[g] for g in gaps) / sum(tokens.values())
         return out
 
-    def evaluate(self, tasks: Sequence[Task]) -> tuple[dict[str, float], list[Episode]]:
+    def evaluate(
+        self, tasks: Sequence[Task], progress: ProgressFn | None = None
+    ) -> tuple[dict[str, float], list[Episode]]:
         """`mappa.evaluate.evaluate` with the tasks shared out among the workers; the same metrics, pooled."""
         start = time.perf_counter()
         shares = [s for s in split(tasks, len(self.workers)) if s]
@@ -289,6 +295,20 @@ class Cluster:
     def stats(self) -> dict[str, float]:
         """The coaches' accounting over all workers, as `CoachRunner.stats` (latency percentiles: the worst)."""
         return merge_counts(get([w.coach_stats.remote() for w in self.workers]))
+
+    def save_checkpoint(self, run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
+        """A local run's checkpoint: the lead trainer writes the weights, the trainers their optimizer states."""
+        from mappa.checkpoint import save_checkpoint
+
+        return save_checkpoint(
+            run_dir, step, policy=self._weights, optimizers=self._optimizers, state=state, keep=keep
+        )
+
+    def restore_checkpoint(self, run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+        """Every actor loads the checkpoint's weights, every trainer its group's optimizer state."""
+        from mappa.checkpoint import restore_run
+
+        return restore_run(run_dir, policy=self._weights, optimizers=self._optimizers)
 
     def close(self) -> None:
         """End the actors (the workers close their sandboxes and coaches first) and free their room."""

@@ -5,7 +5,7 @@
 `mappa serve`), and after every optimizer step the trainer publishes each agent's adapter
 (`publish_adapters`) and has the server load it (`ServerPolicy.load_adapters`). The trainer recomputes
 PPO's old log-probs with its own forward pass at the sampling temperature (the distribution the server
-sampled from); the server's are kept only to measure how far they are (`logprob_gap`), which is small only
+sampled from); the server's are kept only to measure how far they are (`mappa.rl.logprob_gap`), which is small only
 when the server reports temperature-scaled log-probs too (vLLM: `--logprobs-mode processed_logprobs`;
 docs/training.md). Setup and the GPU recipes: docs/scale.md.
 """
@@ -13,11 +13,8 @@ docs/training.md). Setup and the GPU recipes: docs/scale.md.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from mappa.config import Config
 from mappa.errors import MappaError
@@ -30,7 +27,6 @@ from mappa.generation.adapters import (
 )
 from mappa.generation.server import ServedGeneration, ServerPolicy
 from mappa.protocols import PolicyLike
-from mappa.types import Action
 
 
 def adapter_root(cfg: Config, run_dir: Path) -> Path:
@@ -49,8 +45,12 @@ def build_generator(cfg: Config, policy: Any, run_dir: Path | None = None, step:
 
     With a server and `step` given, the policy's adapters are published as version `step` (under
     `adapter_root(cfg, run_dir)`) and loaded, so the server holds the weights the run starts (or resumes) from.
+    Either way prompts are templated with `generation.chat_template_kwargs`: when set, the policy takes them here
+    too (the tokens it trains on, its self-test and a coach sharing its base are templated as generation is).
     """
     check_backend(cfg)
+    if cfg.generation.chat_template_kwargs:
+        policy.chat_template_kwargs = dict(cfg.generation.chat_template_kwargs)
     if cfg.generation.backend == "local":
         return policy
     root = adapter_root(cfg, run_dir or Path("."))
@@ -104,23 +104,6 @@ def close_generator(generator: PolicyLike) -> None:
         generator.close()
 
 
-def logprob_gap(actions: Sequence[Action], old_logp: torch.Tensor) -> float:
-    """Mean |log pi_trainer - log pi_server| per token over the actions' tokens the server gave a log-prob for.
-
-    `old_logp` (N, T): the trainer's log-probs of the same tokens at the sampling temperature (row i is
-    actions[i]). A server that leaves the stop token's log-prob out covers one token fewer; those tokens are
-    not counted. A server reporting raw (temperature-1) log-probs while sampling at another temperature shows
-    here as a gap of the order of the two distributions' difference, not of kernel rounding.
-    """
-    gaps = []
-    for i, a in enumerate(actions):
-        n = min(len(a.logprobs), len(a.response_ids))
-        if n:
-            served = torch.tensor(a.logprobs[:n], dtype=torch.float32, device=old_logp.device)
-            gaps.append((old_logp[i, :n].float() - served).abs())
-    return float(torch.cat(gaps).mean()) if gaps else 0.0
-
-
 __all__ = [
     "ServedGeneration",
     "ServerPolicy",
@@ -131,7 +114,6 @@ __all__ = [
     "check_backend",
     "close_generator",
     "generation_stats",
-    "logprob_gap",
     "publish_adapters",
     "step_sync",
     "sync_adapters",

@@ -70,6 +70,8 @@ class ServerPolicy:
     base model answers for every agent. `adapter_root` / `server_adapter_root`: a published path under the
     first is sent to the server under the second (storage mounted elsewhere on the server's machine).
     `api_key`: sent as `Authorization: Bearer` with every request (servers started with `--api-key`).
+    `chat_template_kwargs`: the template's variables, applied here and sent in every request's body (vLLM, SGLang
+    and `mappa serve` read them), so the server templates the prompt this client trains on.
     """
 
     def __init__(
@@ -85,8 +87,10 @@ class ServerPolicy:
         concurrency: int = 32,
         timeout_s: float = 600.0,
         api_key: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.tokenizer = tokenizer
         self.agents = tuple(agents)
         self.base_model = base_model
@@ -113,6 +117,7 @@ class ServerPolicy:
             adapter_api=gen.adapter_api, adapter_root=adapter_root, server_adapter_root=gen.server_adapter_dir or None,
             concurrency=gen.concurrency, timeout_s=gen.timeout_s,
             api_key=os.environ.get(gen.api_key_env) if gen.api_key_env else None,
+            chat_template_kwargs=gen.chat_template_kwargs,
         )  # fmt: skip
 
     def close(self) -> None:
@@ -125,8 +130,9 @@ class ServerPolicy:
     def chat_ids(self, messages: Sequence[Message]) -> list[int]:
         """Chat-template `messages` and append the assistant generation prompt (as `Policy.chat_ids`)."""
         text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False
-        )
+            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False,
+            **self.chat_template_kwargs,
+        )  # fmt: skip
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def model_name(self, agent: str | None) -> str:
@@ -162,6 +168,8 @@ class ServerPolicy:
         model, version = self.model_name(agent), self.version
         body = {"model": model, "temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens}
         body.update(logprobs=True, return_token_ids=True)
+        if self.chat_template_kwargs:
+            body["chat_template_kwargs"] = self.chat_template_kwargs
         # One seed per request, drawn from the call's: equal prompts in one call must not sample alike.
         seeds = [None if seed is None else (seed * 1_000_003 + i) % 2**63 for i in range(len(prompts))]
         jobs = [

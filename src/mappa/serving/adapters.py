@@ -67,8 +67,8 @@ class ServedPolicy:
             return model
         raise KeyError(model)
 
-    def chat_ids(self, messages: Sequence[Message]) -> list[int]:
-        return self.policy.chat_ids(messages)
+    def chat_ids(self, messages: Sequence[Message], template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        return self.policy.chat_ids(messages, template_kwargs)
 
     @contextmanager
     def active(self, name: str | None) -> Iterator[torch.nn.Module]:

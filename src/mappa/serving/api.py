@@ -57,6 +57,7 @@ class ChatCompletionIn(BaseModel):
     tools: list[Any] | None = None
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids in the response
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's and SGLang's: the chat template's extra variables
 
 
 def _off(*neutral: Any) -> Callable[[Any], bool]:
@@ -76,7 +77,7 @@ _NEUTRAL = {
     "logit_bias": _off(), "response_format": _off({"type": "text"}), "tool_choice": _off("none", "auto"),
     "functions": _off(), "function_call": _off("none", "auto"), "reasoning_effort": _off(), "verbosity": _off(),
     "modalities": _off(["text"]), "audio": _off(), "prediction": _off(), "web_search_options": _off(),
-    "chat_template": _off(), "chat_template_kwargs": _off(), "top_k": _off(0, -1), "min_p": _off(0, 0.0),
+    "chat_template": _off(), "top_k": _off(0, -1), "min_p": _off(0, 0.0),
     "min_tokens": _off(0), "ignore_eos": _off(False), "stop_token_ids": _off(), "best_of": _off(1),
     "use_beam_search": _off(False), "length_penalty": _off(1, 1.0), "include_stop_str_in_output": _off(False),
     "skip_special_tokens": _off(True), "spaces_between_special_tokens": _off(True), "echo": _off(False),
@@ -86,6 +87,9 @@ _NEUTRAL = {
     "structured_outputs": _off(), "guided_json": _off(), "guided_regex": _off(), "guided_choice": _off(),
     "guided_grammar": _off(), "guided_decoding_backend": _off(), "guided_whitespace_pattern": _off(),
 }  # fmt: skip
+
+# apply_chat_template's own arguments, which a request's chat_template_kwargs may not set.
+TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "tokenize", "add_generation_prompt"})
 
 # Message fields the chat template would need and the server drops: only accepted empty.
 _MESSAGE_NEUTRAL = {"tool_calls": _off(), "function_call": _off(), "audio": _off()}
@@ -101,6 +105,9 @@ def unsupported_field(req: ChatCompletionIn) -> tuple[str, str] | None:
             return name, f"{name}: unknown field (mappa serve refuses what it does not implement)"
         if not _NEUTRAL[name](value):
             return name, f"{name}: not supported by mappa serve (it would change the reply)"
+    taken = sorted(set(req.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
+    if taken:
+        return "chat_template_kwargs", f"chat_template_kwargs: {', '.join(taken)} is the server's to set"
     checks = {"n": req.n == 1, "stop": not req.stop, "tools": not req.tools}
     for name, ok in checks.items():
         if not ok:

@@ -1,7 +1,7 @@
 """A KV-cache layer with room reserved for the tokens still to come, and the helpers that pad rows into it.
 
 This module subclasses transformers' `DynamicLayer` and replaces `DynamicCache.layers`, which are not
-a stable public API: it is written against transformers==5.23.0 (the pin in pyproject.toml), and
+a stable public API: it is written against transformers==5.23.0 (the pin in requirements.lock), and
 tests/test_decoder.py checks the methods it relies on, so an upgrade that changes them fails there first.
 """
 

@@ -9,9 +9,11 @@ replies: `{"lora_name", "lora_path"}`, a plain-text "Success: ..." or an OpenAI-
 batched continuously: a request joins the running batch at the next decode step and leaves it when its
 reply is done (`mappa.serving.engine.ChatEngine`). `stream=true` answers with server-sent events as the
 OpenAI API does; vLLM's `return_token_ids` and `return_tokens_as_token_ids` are honoured
-(`mappa.serving.api`). Not supported: n > 1, stop sequences, tools, and every other field that would change
-the reply (penalties, `response_format`, `chat_template_kwargs`, ...); those are rejected with HTTP 400 naming
-the field rather than silently ignored, and so is a field the server does not know. Temperature 0 is greedy
+(`mappa.serving.api`), and so is `chat_template_kwargs` (the chat template's extra variables, e.g.
+`enable_thinking`, over the served policy's own). Not supported: n > 1, stop sequences, tools, and every other
+field that would change the reply (penalties, `response_format`, `chat_template`, ...); those are rejected with
+HTTP 400 naming the field
+rather than silently ignored, and so is a field the server does not know. Temperature 0 is greedy
 decoding; a request's seed makes its sampling reproducible whatever it is batched with.
 
 Limits (`mappa.serving.guard`): with an API key every path but `/health` needs `Authorization: Bearer KEY`
@@ -290,7 +292,7 @@ def _chat_request(req: ChatCompletionIn, served: ServedPolicy, default_max_token
         raise APIError(404, f"model {req.model!r} not found (served: {names})", "not_found_error", "model") from None
     messages = _messages(req)
     try:
-        prompt = served.chat_ids(messages)
+        prompt = served.chat_ids(messages, req.chat_template_kwargs)
     except Exception as e:  # noqa: BLE001 - e.g. a chat template that refuses the roles given
         first = str(e).splitlines()[0][:200] if str(e) else ""
         raise APIError(

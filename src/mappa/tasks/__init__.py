@@ -6,6 +6,8 @@
 Sources: "arithmetic" (generated, no files), and the math files under `tasks.data_dir` / $MAPPA_DATA_DIR:
 "aime" (1983-2024), "aime2025", "aime_eval32", "amc", "amc_eval32", "math500", "gsm8k" (train split),
 "gsm8k_test"; and "dsbench", the offline mini-DSBench's tabular tasks of one split (`mappa.tasks.tabular`).
+From outside the package (`mappa.tasks.sources`): "jsonl:PATH", "hf:NAME[:SPLIT]", and loader functions named
+"module:name" or "file.py:name".
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from mappa.paths import cache_dir, data_dir
 from mappa.tasks.answers import check_answer, extract_answer
 from mappa.tasks.arithmetic import arithmetic_tasks
 from mappa.tasks.math import HELD_OUT_SOURCES, MATH_SOURCES, near_duplicate, normalise_problem
+from mappa.tasks.sources import external_locations, is_external, load_external
 from mappa.types import Task
 
 SOURCES = ("arithmetic", *MATH_SOURCES, "dsbench")
+FORMS = "'jsonl:PATH', 'hf:NAME[:SPLIT]', or a loader 'module:name' / 'file.py:name'"
 
 __all__ = [
     "SOURCES",
@@ -39,9 +43,10 @@ __all__ = [
 
 def answer_locations(cfg: TasksConfig) -> list[Path]:
     """Where the configured sources keep their answers on disk (nothing for generated tasks): what agent
-    code must never reach. Paths only; nothing is built or read."""
+    code must never reach. Paths only; nothing is built or read. A loader's data is not known here: the
+    sandbox shows agent code only an allowlist of the host, so it is hidden unless it lies in that allowlist."""
     names = {*cfg.train, *cfg.eval}
-    out: list[Path] = []
+    out: list[Path] = [p for name in dict.fromkeys([*cfg.train, *cfg.eval]) for p in external_locations(name)]
     if "dsbench" in names:
         raw = cfg.dsbench_dir or os.environ.get("MAPPA_DSBENCH_DIR")
         out.append(Path(raw).expanduser() if raw else cache_dir() / "dsbench")
@@ -52,7 +57,10 @@ def answer_locations(cfg: TasksConfig) -> list[Path]:
 
 
 def load_source(name: str, cfg: TasksConfig, split: Literal["train", "eval"], seed: int) -> list[Task]:
-    """All tasks of one source, in file order (arithmetic: generated for `split`)."""
+    """All tasks of one source, in file order (arithmetic: generated for `split`; an external source: its rows
+    for `split`)."""
+    if is_external(name):
+        return load_external(name, split, seed)
     if name == "arithmetic":
         n = cfg.arithmetic_train_size if split == "train" else cfg.arithmetic_eval_size
         return arithmetic_tasks(n, cfg.arithmetic_levels, split, seed, cfg.arithmetic_eval_size)
@@ -61,8 +69,13 @@ def load_source(name: str, cfg: TasksConfig, split: Literal["train", "eval"], se
 
         return load_dsbench(dsbench_dir(cfg.dsbench_dir), split)
     if name not in MATH_SOURCES:
-        raise MappaError(f"tasks.{split}: unknown task source {name!r} (known: {', '.join(SOURCES)})")
+        raise MappaError(f"tasks.{split}: unknown task source {name!r} (built-in: {', '.join(SOURCES)}; or {FORMS})")
     return MATH_SOURCES[name](data_dir(cfg.data_dir))
+
+
+def _from_files(name: str) -> bool:
+    """A source whose train and eval sets may overlap: the math files, and anything from outside the package."""
+    return name in MATH_SOURCES or is_external(name)
 
 
 def _held_out(key: str, held_out: dict[str, list[str]]) -> bool:
@@ -72,8 +85,9 @@ def _held_out(key: str, held_out: dict[str, list[str]]) -> bool:
 def load_tasks(names: Sequence[str], cfg: TasksConfig, split: Literal["train", "eval"], seed: int) -> list[Task]:
     """The tasks of `names` for `split`, deduplicated, with a seeded draw of `cfg.train_size`/`cfg.eval_size`.
 
-    Training pools lose every problem that also appears (by normalised text) in an evaluation source: the
-    configured `cfg.eval` sources and the paper's held-out sets (aime2025, aime_eval32, amc_eval32). A draw uses
+    Training pools of math and external sources lose every problem that also appears (by normalised text) in an
+    evaluation source: the configured `cfg.eval` math and external sources, and with a math training source the
+    paper's held-out sets (aime2025, aime_eval32, amc_eval32). A draw uses
     `random.Random(seed).sample`, as in the paper (512 of the 933 AIME problems with seed 42).
     """
     if split not in ("train", "eval"):
@@ -88,16 +102,20 @@ def load_tasks(names: Sequence[str], cfg: TasksConfig, split: Literal["train", "
             if key not in seen:  # the same problem listed twice (amc and amc_eval32) counts once
                 seen.add(key)
                 pool.append(task)
-    if split == "train" and any(n in MATH_SOURCES for n in names):
+    if split == "train" and any(_from_files(n) for n in names):
         held_out: dict[str, list[str]] = {}  # opening -> normalised eval problems (for near duplicates)
-        for name in dict.fromkeys([*cfg.eval, *HELD_OUT_SOURCES]):
-            if name in MATH_SOURCES:  # arithmetic and dsbench keep train/eval apart themselves
+        paper = HELD_OUT_SOURCES if any(n in MATH_SOURCES for n in names) else ()
+        for name in dict.fromkeys([*cfg.eval, *paper]):
+            if _from_files(name):  # arithmetic and dsbench keep train/eval apart themselves
                 for t in load_source(name, cfg, "eval", seed):
                     key = normalise_problem(t.problem)
                     held_out.setdefault(key[:48], []).append(key)
         pool = [t for t in pool if not _held_out(normalise_problem(t.problem), held_out)]
         if not pool:
-            raise MappaError(f"tasks.train: {list(names)} has no problems left after removing evaluation problems")
+            raise MappaError(
+                f"tasks.train: {list(names)} has no problems left after removing evaluation problems (a file "
+                "used for both train and eval: give two files, or rows a split field)"
+            )
     size = cfg.train_size if split == "train" else cfg.eval_size
     if size is not None:
         if size > len(pool):

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mappa.config import Config, GenerationConfig, SandboxConfig, WorkflowConfig
+from mappa.config import BUILTIN_WORKFLOWS, Config, GenerationConfig, SandboxConfig, WorkflowConfig
+from mappa.plugins import check_instance, check_workflow, load_object
 from mappa.protocols import Runtime, Workflow
 from mappa.workflows.base import AgentSpec, feedback_note
 from mappa.workflows.ds_pipeline import DsPipeline
@@ -37,5 +38,13 @@ __all__ = [
 
 def build_workflow(cfg: Config, gen: GenerationConfig | None = None) -> Workflow:
     """The configured workflow, reading `cfg.workflow`, `cfg.sandbox` and `gen` (default `cfg.generation`;
-    evaluation passes its own sampling settings)."""
-    return WORKFLOWS[cfg.workflow.name](cfg.workflow, gen or cfg.generation, cfg.sandbox)
+    evaluation passes its own sampling settings). A `workflow.name` that is an import path is a plug-in
+    (`mappa.plugins`), built the same way and checked against the protocol."""
+    name = cfg.workflow.name
+    if name in BUILTIN_WORKFLOWS:
+        return WORKFLOWS[name](cfg.workflow, gen or cfg.generation, cfg.sandbox)
+    factory = load_object(name, "workflow.name")
+    check_workflow(factory, "workflow.name")
+    workflow = factory(cfg.workflow, gen or cfg.generation, cfg.sandbox)
+    check_instance(workflow, "workflow.name")
+    return workflow

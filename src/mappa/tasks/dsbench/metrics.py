@@ -137,7 +137,6 @@ FAIR_ACCURACY_FALLBACK = 0.5  # chance accuracy, the paper's fallback
 FAIR_F1_FALLBACK = 0.0  # a run that predicts nothing finds none of the positive class
 # RMSE's fallback is the trivial prediction's (the training mean on every row), in % of range and IQR: a failed
 # run counts as no better than ignoring the features, as DSBench's gap counts it (`fallback_figures`).
-PAPER_FIGURES = ("accuracy", "f1", "rmse_range_pct", "rmse_iqr_pct")
 
 
 def _label_key(label: Any) -> tuple[int, float, str]:
@@ -212,15 +211,4 @@ def _as_labels(values: Any) -> list[Any]:
         if isinstance(v, float) and v.is_integer():
             v = int(v)
         out.append(v)
-    return out
-
-
-def fair_means(figures: Sequence[dict[str, float]]) -> dict[str, float]:
-    """The mean of each paper figure over the episodes that have it (failed runs hold their fallbacks, so
-    nothing is dropped); NaN entries (a target without spread) are left out of their mean."""
-    out = {}
-    for key in PAPER_FIGURES:
-        values = [f[key] for f in figures if key in f and not np.isnan(f[key])]
-        if values:
-            out[key] = float(np.mean(values))
     return out

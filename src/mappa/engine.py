@@ -1,0 +1,101 @@
+"""Where a training run's work happens: `LocalEngine`, the run's `Engine` (`mappa.protocols`) in this process.
+
+It holds the run's parts from `mappa.rollout.build_kit` (policy, generator, coach, sandbox: built as the Ray
+actors, `mappa rollout` and `mappa eval` build theirs) plus one optimizer per update group. `open_engine` picks
+where a run's work goes, once: on a Ray cluster when `place` is given (`mappa.distributed.placement`), else here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from mappa.config import Config
+from mappa.protocols import Engine, ProgressFn, StatusFn, Workflow
+from mappa.rollout import build_kit
+from mappa.types import Episode, Task
+
+# place(cfg, run_dir, agents, groups) -> the engine of a run placed elsewhere (`mappa.distributed.placement`)
+Place = Callable[[Config, Path, Sequence[str], dict[str, list[str]]], Engine]
+
+
+# ---------------------------------------------------------------------------------------------------- the engine
+class LocalEngine:
+    """A training run's work in this process: its kit plays and scores episodes and evaluates, its policy takes
+    each update group's update in turn with the group's optimizer (`mappa.update.apply_update`)."""
+
+    def __init__(
+        self, cfg: Config, run_dir: Path, workflow: Workflow, groups: dict[str, list[str]], coach: Any = None
+    ) -> None:
+        from mappa.update import build_optimizer
+
+        self.cfg, self.run_dir, self.workflow = cfg, Path(run_dir), workflow
+        self.kit = build_kit(
+            cfg, workflow.agents, workflow=workflow.name, coach_plugin=coach, generator=True, run_dir=self.run_dir
+        )
+        try:
+            policy = self.kit.policy
+            self.optimizers = {g: build_optimizer(policy, members[0], g, cfg.train) for g, members in groups.items()}
+        except BaseException:
+            self.kit.close()
+            raise
+
+    def play(self, tasks: Sequence[Task], seed: int, progress: ProgressFn | None = None) -> list[Episode]:
+        return self.workflow.run(tasks, self.kit.runtime(), seed=seed, progress=progress)
+
+    def update(self, jobs: dict[str, Any], status: StatusFn | None = None) -> dict[str, dict[str, float]]:
+        """One group after another."""
+        from mappa.update import apply_update
+
+        done = {}
+        for g, job in jobs.items():
+            if job.actions and status is not None:
+                status(f"updating {g} on {len(job.actions)} actions")
+            done[g] = apply_update(self.kit.policy, self.optimizers[g], job)
+        return done
+
+    def step_sync(self, version: int, metrics: dict[str, float] | None = None) -> dict[str, float]:
+        from mappa.generation import adapter_root, step_sync
+
+        root = adapter_root(self.cfg, self.run_dir)
+        return step_sync(self.kit.generator, self.kit.policy, root, version, metrics)
+
+    def evaluate(
+        self, tasks: Sequence[Task], progress: ProgressFn | None = None
+    ) -> tuple[dict[str, float], list[Episode]]:
+        from mappa.evaluate import evaluate
+
+        return evaluate(self.cfg, self.kit.generator, self.kit.sandbox, tasks, progress=progress)
+
+    def self_test(self) -> list[str]:
+        return self.kit.self_test(self.workflow.agents, self.workflow.name)
+
+    def stats(self) -> dict[str, float]:
+        return self.kit.coach.stats()
+
+    def save_checkpoint(self, run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
+        from mappa.checkpoint import save_checkpoint
+
+        return save_checkpoint(
+            run_dir, step, policy=self.kit.policy, optimizers=self.optimizers, state=state, keep=keep
+        )
+
+    def restore_checkpoint(self, run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+        from mappa.checkpoint import restore_run
+
+        return restore_run(run_dir, policy=self.kit.policy, optimizers=self.optimizers)
+
+    def close(self) -> None:
+        self.kit.close()
+
+
+def open_engine(
+    cfg: Config, run_dir: Path, workflow: Workflow, groups: dict[str, list[str]], *, place: Place | None = None,
+    coach: Any = None,
+) -> Engine:  # fmt: skip
+    """The run's engine: `place`'s (a Ray cluster, whose actors build their own workflows and coaches from the
+    config) when given, else a `LocalEngine` (with `coach`, an object from Python, if any)."""
+    if place is not None:
+        return place(cfg, run_dir, workflow.agents, groups)
+    return LocalEngine(cfg, run_dir, workflow, groups, coach=coach)

@@ -1,0 +1,274 @@
+"""Experiment tracking and the per-agent metrics it carries: metrics.jsonl always, the trackers of
+`logging.report_to` (real TensorBoard event files, W&B offline, MLflow on a local store, trackio on a local
+database) continuing the same tracked run across a resume, and the update's `entropy` and the trainer's
+`reward_std` checked against a direct computation."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_train_smoke import make_policy, sampled_actions, tiny_cfg
+
+from mappa.config import Config, dump_config, load_config
+from mappa.errors import MappaError
+from mappa.tracking import Tracker, drop_lines_after, new_run_dir, read_metrics, tracker_ids
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def log_steps(run_dir: Path, steps: range, offset: float, **kw: object) -> Tracker:
+    tracker = Tracker(run_dir, run_name="r1", config={"seed": 1, "train": {"lr": 1e-5}}, **kw)
+    for step in steps:
+        tracker.log({"agent/solver/entropy": offset + step, "nan_is_dropped": math.nan}, step)
+    tracker.close()
+    return tracker
+
+
+def resume_at(run_dir: Path, step: int) -> None:
+    """What `restore_run` does to the logs when it loads the checkpoint of `step`."""
+    drop_lines_after(run_dir / "metrics.jsonl", step)
+
+
+# ---------------------------------------------------------------------------------------------------- config
+@pytest.mark.parametrize(
+    ("overrides", "report_to", "project"),
+    [
+        ([], ["tensorboard"], "mappa"),
+        (["logging.report_to=wandb,mlflow"], ["wandb", "mlflow"], "mappa"),
+        (["logging.report_to=[]"], [], "mappa"),
+        (["logging.report_to=[trackio,trackio]", "logging.project=p"], ["trackio"], "p"),
+        # the keys of earlier versions, as old runs' config.yaml has them
+        (["logging.tensorboard=false"], [], "mappa"),
+        (["logging.tensorboard=true", "logging.wandb_project=null"], ["tensorboard"], "mappa"),
+        (["logging.tensorboard=false", "logging.wandb_project=team"], ["wandb"], "team"),
+        (["logging.report_to=[mlflow]", "logging.tensorboard=true"], ["mlflow", "tensorboard"], "mappa"),
+    ],
+)
+def test_report_to_and_the_old_keys(overrides: list[str], report_to: list[str], project: str) -> None:
+    cfg = load_config(None, overrides)
+    assert (cfg.logging.report_to, cfg.logging.project) == (report_to, project)
+    assert "tensorboard:" not in str(cfg.logging.model_dump()) and "wandb_project" not in cfg.logging.model_dump()
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("logging.report_to=[neptune]", "logging.report_to.0: Input should be 'tensorboard'"),
+        ("logging.tensorboard=maybe", "logging: tensorboard must be true or false"),
+        ("logging.wandb_project=x", "keep only project"),  # with logging.project=y below
+    ],
+)
+def test_bad_logging_keys_are_one_line_errors(override: str, message: str) -> None:
+    with pytest.raises(MappaError, match=message) as err:
+        load_config(None, [override, "logging.project=y"])
+    assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------------- trackers
+def test_tensorboard_events_continue_across_a_resume(tmp_path: Path) -> None:
+    """Real event files read back: the resumed run writes a second file in the same directory, and the steps
+    the killed run logged after its checkpoint are replaced by the resumed run's, as in metrics.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    log_steps(run_dir, range(0, 4), 0.0)  # killed after logging step 3; its last checkpoint was step 2
+    resume_at(run_dir, 2)
+    log_steps(run_dir, range(3, 5), 100.0)
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    scalars = [(e.step, e.value) for e in events.Scalars("agent/solver/entropy")]
+    assert scalars == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 103.0), (4, 104.0)]
+    assert "nan_is_dropped" not in events.Tags()["scalars"]
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    jsonl = [(r["step"], r["agent/solver/entropy"]) for r in read_metrics(run_dir)]
+    assert jsonl == scalars  # the ground truth and TensorBoard agree
+
+
+def test_a_missing_tracker_package_is_one_note_and_the_run_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now fails as if it were not installed
+    tracker = log_steps(tmp_path / "run", range(2), 0.0, report_to=["wandb", "tensorboard"])
+    assert tracker.warnings == ["logging.report_to: wandb is not installed (pip install wandb); skipped"]
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1]
+    assert any((tmp_path / "run" / "tensorboard").iterdir())
+    assert tracker_ids(tmp_path / "run") == {}
+
+
+def test_wandb_offline_resumes_the_same_run_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = new_run_dir(load_config(None, [f"run_dir={tmp_path / 'run'}"]))
+    started = json.loads((run_dir / "run.json").read_text())["started"]
+    first = Tracker(run_dir, report_to=["wandb"], project="p", run_name="r1", config={"seed": 1})
+    run_id = first._sinks[0].tracker.id
+    first.log({"x": 1.0}, 0)
+    first.close()
+    second = Tracker(run_dir, report_to=["wandb"], project="p", run_name="r1", config={"seed": 1})
+    assert second.warnings == [] and second._sinks[0].tracker.id == run_id
+    second.log({"x": 2.0}, 1)
+    second.close()
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert meta["trackers"] == {"wandb": run_id} and meta["started"] == started  # new_run_dir's keys kept
+    offline = sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(name.endswith(f"-{run_id}") for name in offline)  # `wandb sync` joins them
+
+
+def test_mlflow_resumes_the_same_run_on_a_local_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    for name in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_TAGS", "MLFLOW_NESTED_RUN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store for opt-in use
+    run_dir = tmp_path / "run"
+    kw = {"report_to": ["mlflow"], "project": "exp"}
+    log_steps(run_dir, range(0, 3), 0.0, **kw)
+    resume_at(run_dir, 1)
+    assert log_steps(run_dir, range(2, 4), 100.0, **kw).warnings == []
+    run_id = tracker_ids(run_dir)["mlflow"]
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name("exp")
+    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]  # one run
+    history = [(m.step, m.value) for m in client.get_metric_history(run_id, "agent/solver/entropy")]
+    assert sorted(history) == [(0, 0.0), (1, 1.0), (2, 2.0), (2, 102.0), (3, 103.0)]  # MLflow keeps both of step 2
+    run = client.get_run(run_id)
+    assert run.data.params["train.lr"] == "1e-05" and run.info.run_name == "r1"
+
+
+def test_a_tracker_that_fails_to_start_is_one_note(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow 3 refuses a file store unless told otherwise: a real start failure, skipped with its reason."""
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    tracker = log_steps(tmp_path / "run", range(2), 0.0, report_to=["mlflow"])
+    assert len(tracker.warnings) == 1 and tracker.warnings[0].startswith("logging.report_to: mlflow did not start (")
+    assert "\n" not in tracker.warnings[0] and len(read_metrics(tmp_path / "run")) == 2
+
+
+TRACKIO_RUN = """
+import sys
+from mappa.tracking import Tracker
+tracker = Tracker(sys.argv[1], report_to=["trackio"], project="proj", run_name="r1", config={"seed": 1})
+assert tracker.warnings == [], tracker.warnings
+for step in range(int(sys.argv[2]), int(sys.argv[3])):
+    tracker.log({"x": float(step)}, step)
+tracker.close()
+"""
+
+
+def test_trackio_resumes_the_same_run(tmp_path: Path) -> None:
+    """In a child process: trackio reads TRACKIO_DIR (its local database) once, at import."""
+    pytest.importorskip("trackio")
+    import sqlite3
+
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "OMP_NUM_THREADS": "1"}
+    for start, stop in ((0, 2), (2, 4)):
+        cmd = [sys.executable, "-c", TRACKIO_RUN, str(tmp_path / "run"), str(start), str(stop)]
+        subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=240)
+    assert tracker_ids(tmp_path / "run") == {"trackio": "r1"}
+    with sqlite3.connect(tmp_path / "trackio" / "proj.db") as db:
+        tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        assert "metrics" in tables, tables
+        runs = {name for (name,) in db.execute("SELECT DISTINCT run_name FROM metrics")}
+        steps = sorted(step for (step,) in db.execute("SELECT step FROM metrics WHERE run_name = 'r1'"))
+    assert runs == {"r1"} and steps[:4] == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------------------------------------------- metrics
+def test_update_entropy_is_the_sampled_distributions_entropy_over_the_trained_tokens() -> None:
+    """`agent/<g>/entropy` of one optimizer step over the whole batch, against the entropy of softmax(logits / T)
+    computed here from one unpadded forward per action, before the step."""
+    from mappa.trainer import update_settings
+    from mappa.update import update_group
+
+    temperature = 0.7
+    policy = make_policy()
+    actions = sampled_actions(policy, "solver", 5, seed=3)
+    cfg = Config()
+    cfg = cfg.model_copy(
+        update={
+            "generation": cfg.generation.model_copy(update={"temperature": temperature}),
+            "train": cfg.train.model_copy(update={"mini_batch_size": 5, "micro_batch_size": 2, "epochs": 1}),
+        }
+    )
+    entropies = []
+    with torch.no_grad(), policy.active("solver") as module:
+        for a in actions:
+            ids = torch.tensor([list(a.prompt_ids) + list(a.response_ids)])
+            logits = module(input_ids=ids).logits[0, len(a.prompt_ids) - 1 : -1].float() / temperature
+            entropies += torch.distributions.Categorical(logits=logits).entropy().tolist()
+    assert len(entropies) == sum(len(a.response_ids) for a in actions)
+    opt = torch.optim.SGD(policy.trainable_parameters("solver"), lr=0.1)
+    stats = update_group(policy, opt, actions, [9.0, 1.0, 6.0, 3.0, 10.0], update_settings(cfg))
+    assert stats["optimizer_steps"] == 1
+    assert stats["entropy"] == pytest.approx(sum(entropies) / len(entropies), rel=1e-4)
+    assert 0 < stats["entropy"] < math.log(policy.tokenizer.vocab_size)
+
+
+def test_a_training_step_logs_reward_std_and_entropy_per_agent(tmp_path: Path) -> None:
+    from mappa.rewards import per_action_scores, reward_mode, select_actions
+    from mappa.trainer import setup, train_step
+    from mappa.types import Episode
+
+    cfg = tiny_cfg(tmp_path, "train.steps=1", "train.prompts_per_step=3", "train.samples_per_prompt=2")
+    run_dir = tmp_path / "run"
+    run = setup(cfg, run_dir)
+    try:
+        metrics = train_step(run)
+    finally:
+        run.close()
+    episodes = [Episode.model_validate_json(x) for x in (run_dir / "episodes.jsonl").read_text().splitlines()]
+    scores = per_action_scores(episodes, reward_mode(cfg.coach.backend), cfg.coach.outcome_weight)
+    logged = read_metrics(run_dir)[-1]
+    spread = []
+    for group, members in run.groups.items():
+        _, kept, _ = select_actions(episodes, scores, members, cfg.coach.on_unscored, cfg.train.drop_truncated)
+        assert kept, group
+        mean = sum(kept) / len(kept)
+        std = math.sqrt(sum((s - mean) ** 2 for s in kept) / len(kept))
+        assert metrics[f"agent/{group}/reward_std"] == pytest.approx(std)
+        assert logged[f"agent/{group}/reward_std"] == pytest.approx(std)
+        assert logged[f"agent/{group}/reward_mean"] == pytest.approx(mean)
+        assert logged[f"agent/{group}/entropy"] > 0
+        spread.append(std)
+    assert any(s > 0 for s in spread), "no group with different scores: the check would pass with a constant 0"
+
+
+def test_mappa_train_resume_continues_the_tracked_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`mappa train`, then `mappa train --resume RUN --set train.steps=2`: TensorBoard holds every row of
+    metrics.jsonl once (the first attempt's final evaluation at step 1 included), and W&B (offline, when
+    installed) logs both attempts under the one run id kept in run.json."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from mappa.cli import main
+
+    trackers = "[tensorboard,wandb]" if importlib.util.find_spec("wandb") else "[tensorboard]"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    config = tmp_path / "config.yaml"
+    config.write_text(dump_config(tiny_cfg(tmp_path, "train.steps=1", f"logging.report_to={trackers}")))
+    assert main(["train", str(config)]) == 0
+    assert main(["train", "--resume", str(run_dir), "--set", "train.steps=2"]) == 0
+    key = "eval/accuracy"
+    jsonl = [(r["step"], r[key]) for r in read_metrics(run_dir) if key in r]
+    assert [step for step, _ in jsonl] == [0, 1, 2]  # start, the first attempt's final, the resumed run's final
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [(e.step, pytest.approx(e.value)) for e in events.Scalars(key)] == jsonl
+    train_rows = [r["step"] for r in read_metrics(run_dir) if "time/rollout_s" in r]
+    assert [e.step for e in events.Scalars("time/rollout_s")] == train_rows == [1, 2]
+    if "wandb" in trackers:
+        run_id = tracker_ids(run_dir)["wandb"]
+        assert len([p for p in (run_dir / "wandb").glob(f"offline-run-*-{run_id}")]) == 2
