@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from mappa.coach.caps import score_cap
 from mappa.coach.prompts import DS_PIPELINE, build_messages
 from mappa.coach.replay import episode_contexts
 from mappa.coach.rubric import rubric_score
@@ -30,7 +31,6 @@ from mappa.tasks.dsbench.reference import reference_snippets
 from mappa.tasks.tabular import TASK_FILES, load_dsbench, score_submission
 from mappa.types import CoachContext, CoachScore, Episode, Message, Task, read_jsonl, write_jsonl
 from mappa.workflows import WORKFLOWS, DsPipeline
-from mappa.workflows.ds_pipeline import score_cap
 
 ROOT = Path(__file__).resolve().parents[1]
 Reply = Callable[[str, Sequence[Message]], str]

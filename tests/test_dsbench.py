@@ -3,13 +3,18 @@ and the scripted reference team solving tasks through the real sandbox (warm poo
 
 from __future__ import annotations
 
+import importlib.resources
 import json
+import re
+import tomllib
 from collections import Counter
 from collections.abc import Iterator
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 
 from mappa.cli import main
 from mappa.config import SandboxConfig, TasksConfig
@@ -17,9 +22,10 @@ from mappa.errors import MappaError
 from mappa.sandbox import Sandbox
 from mappa.tasks import load_source, load_tasks
 from mappa.tasks.dsbench.build import BuildResult, assign_splits, build_dsbench
-from mappa.tasks.dsbench.catalogue import SOURCES, SPECS
+from mappa.tasks.dsbench.catalogue import CATALOGUE_FILE, SOURCES, SPECS, load_catalogue
 from mappa.tasks.dsbench.metrics import METRICS, higher_is_better
 from mappa.tasks.dsbench.reference import TASK_FILES, run_reference
+from mappa.tasks.dsbench.tables import AtLeast, Complement, Indicator, Ordinal, Rename
 from mappa.tasks.tabular import load_dsbench, score_submission
 
 # One small classification and one small regression task: a build of both takes seconds.
@@ -160,6 +166,78 @@ def test_catalogue_is_balanced_varied_and_free_of_duplicate_tables() -> None:
     assert set(Counter(s.metric for s in SPECS)) == set(METRICS)  # every metric DSBench mixes is used
     assert {s.source for s in SPECS} <= set(SOURCES)
     assert all(s.title and s.about.endswith(".") for s in SPECS)
+
+
+def test_the_catalogue_is_data_shipped_with_the_package() -> None:
+    shipped = importlib.resources.files("mappa.tasks.dsbench").joinpath(CATALOGUE_FILE)
+    assert shipped.is_file() and load_catalogue(str(shipped)) == SPECS
+    # `pip install .` copies it only if package-data names it
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text(encoding="utf-8"))
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["mappa"]
+    assert any(fnmatchcase(f"tasks/dsbench/{CATALOGUE_FILE}", p) for p in patterns)
+    recipes = {s.id: s.prepare for s in SPECS if s.prepare is not None}
+    assert recipes["loan_grade"] == Ordinal(recipe="ordinal", column="grade", order=tuple("ABCDEFG"))
+
+
+GOOD = {"id": "toy", "source": "sklearn", "table": "diabetes", "target": "progression", "metric": "mae"}
+GOOD |= {"title": "Toy", "about": "A row.", "prepare": {"recipe": "rename", "columns": {"target": "progression"}}}
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"metric": "acc"}, "task 'toy': metric: unknown metric 'acc' (one of roc_auc,"),
+        ({"source": "kaggle"}, "task 'toy': source: unknown source 'kaggle'"),
+        ({"colour": "red"}, "task 'toy': unknown field 'colour'"),
+        ({"target": None}, "task 'toy': field 'target' is missing"),
+        ({"max_rows": 0}, "task 'toy': max_rows: Input should be greater than 0"),
+        ({"prepare": {"recipe": "shuffle"}}, "task 'toy': prepare: Input tag 'shuffle'"),
+        ({"prepare": {"recipe": "ordinal", "column": "x"}}, "task 'toy': field 'prepare.ordinal.order' is missing"),
+        ({"keep_group": True}, "task 'toy': keep_group: set without a group"),
+        ({"drop": ["progression"]}, "task 'toy': drop: the target 'progression' is dropped"),
+        ({"positive": "yes"}, "task 'toy': positive: a mae task is a regression"),
+        ({"id": "Toy Task"}, "task 'Toy Task': id: String should match pattern"),
+        ({"id": None}, "an entry without an id: field 'id' is missing"),
+    ],
+)
+def test_a_bad_catalogue_entry_is_one_line_naming_the_task_and_the_field(
+    change: dict, expected: str, tmp_path: Path
+) -> None:
+    entry = {k: v for k, v in (GOOD | change).items() if v is not None}
+    path = tmp_path / "catalogue.yaml"
+    path.write_text(yaml.safe_dump([entry], sort_keys=False), encoding="utf-8")
+    with pytest.raises(MappaError) as err:
+        load_catalogue(path)
+    assert str(err.value).startswith(f"{path}: {expected}") and "\n" not in str(err.value)
+
+
+def test_catalogue_yaml_traps_and_duplicates_are_caught(tmp_path: Path) -> None:
+    path, first = tmp_path / "catalogue.yaml", yaml.safe_dump([GOOD], sort_keys=False)
+    cases = {
+        # YAML reads an unquoted yes as true: the error says to quote it
+        "- id: cls\n  metric: accuracy\n  positive: yes\n": "task 'cls': positive: Input should be a valid string "
+        "(got True) (quote it",
+        "- id: toy\n": "task 'toy': id: 'toy' is also task 'toy''s",
+        "- id: twin\n": "task 'twin': table: ('sklearn', 'diabetes') is also task 'toy''s",
+        "- id: [\n": "not valid YAML at line 13",  # the parser stops at the end of the file
+    }
+    for second, expected in cases.items():
+        rest = "".join(f"  {k}: {json.dumps(v)}\n" for k, v in GOOD.items() if f"{k}:" not in second)
+        path.write_text(first + second + ("" if "[" in second else rest), encoding="utf-8")
+        with pytest.raises(MappaError, match="^" + re.escape(f"{path}: {expected}")):
+            load_catalogue(path)
+
+
+def test_recipes_prepare_a_table_as_the_catalogue_asks() -> None:
+    frame = pd.DataFrame({"grade": ["B", "A", "C", None], "cens": [0, 1, 1, 0], "target": [0, 1, 0, 2]})
+    grades = Ordinal(recipe="ordinal", column="grade", order=("A", "B", "C")).apply(frame)["grade"]
+    assert grades.iloc[:3].tolist() == [2, 1, 3] and pd.isna(grades.iloc[3])
+    flagged = Indicator(recipe="indicator", column="target", equals=0, name="malignant").apply(frame)
+    assert flagged["malignant"].tolist() == [1, 0, 1, 0] and "target" not in flagged
+    assert flagged["malignant"].dtype == "int64"
+    assert Complement(recipe="complement", column="cens", name="event").apply(frame)["event"].tolist() == [1, 0, 0, 1]
+    assert AtLeast(recipe="at_least", column="target", minimum=1).apply(frame)["target"].tolist() == [1, 2]
+    assert list(Rename(recipe="rename", columns={"cens": "censored"}).apply(frame)) == ["grade", "censored", "target"]
 
 
 def test_eval_split_is_stratified_by_data_type_and_seeded() -> None:

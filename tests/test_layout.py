@@ -26,12 +26,12 @@ TRAINING_PATH = ["mappa.trainer", "mappa.policy", "mappa.rl", "mappa.rollout", "
 LAYERS: dict[str, list[str]] = {
     "base": [
         "mappa.errors", "mappa.types", "mappa.paths", "mappa.protocols", "mappa.plugins", "mappa.config",
-        "mappa.rl", "mappa.metrics", "mappa.rewards",
+        "mappa.rl", "mappa.metrics", "mappa.rewards", "mappa.precision",
     ],
     # one layer: tasks.dsbench and tasks.tabular run reference solutions in the sandbox, while
     # sandbox.codeblocks reads answers with tasks.answers
     "tasks and sandbox": ["mappa.tasks", "mappa.sandbox"],
-    "models": ["mappa.models", "mappa.policy", "mappa.sharding"],
+    "models": ["mappa.models", "mappa.policy", "mappa.sharding", "mappa.decoding", "mappa.lora", "mappa.policy_files"],
     "coach": ["mappa.coach"],
     "generation": ["mappa.generation"],
     "workflows": ["mappa.workflows"],

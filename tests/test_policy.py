@@ -7,9 +7,12 @@ import json
 import pytest
 import torch
 
+from mappa.decoding import response_layout, token_logprobs
 from mappa.errors import MappaError
+from mappa.lora import adapter_names
 from mappa.models import tiny_model_and_tokenizer
 from mappa.policy import Generation, Policy
+from mappa.policy_files import read_manifest
 from mappa.types import Message
 
 AGENTS = ("solver", "coder", "verifier")
@@ -362,6 +365,44 @@ def test_load_weights_rejects_a_checkpoint_of_other_agents_or_rank(tmp_path):
     (tmp_path / "a" / "adapters" / "agent_coder" / "adapter_model.safetensors").write_bytes(b"garbage")
     with pytest.raises(MappaError, match="unreadable weights"):
         make_policy().load_weights(tmp_path / "a")
+
+
+def test_manifest_is_what_the_policy_reports_and_bad_ones_name_the_file(tmp_path):
+    policy = make_policy("shared", lora_r=4)
+    policy.save(tmp_path / "ok")
+    assert read_manifest(tmp_path / "ok") == {"format_version": 1, **policy.manifest()}
+    assert policy.manifest()["adapters"] == dict.fromkeys(AGENTS, "shared")
+    path = tmp_path / "bad" / "mappa_policy.json"
+    path.parent.mkdir()
+    path.write_text('{\n  "agents": [\n}')
+    with pytest.raises(MappaError, match=r"bad/mappa_policy.json:3: invalid JSON"):
+        read_manifest(path.parent)
+    path.write_text(json.dumps({"agents": ["a"], "agent_weights": "lora", "base_name": None}))
+    with pytest.raises(MappaError, match="missing field 'lora'"):
+        Policy.from_checkpoint(path.parent)
+
+
+def test_adapter_names_are_safe_peft_keys_and_distinct():
+    names = adapter_names(["a.b", "a_b", "lora"])
+    assert names == {"a.b": "agent_a_b", "a_b": "agent_a_b_1", "lora": "agent_lora"}
+    assert adapter_names(["x", "y"], shared=True) == {"x": "shared", "y": "shared"}
+
+
+def test_response_layout_starts_every_response_at_one_column():
+    ids, attn, pos, mask = response_layout([[1, 2, 3], [4]], [[5], [6, 7]], pad_id=0, device=torch.device("cpu"))
+    assert ids.tolist() == [[1, 2, 3, 5, 0], [0, 0, 4, 6, 7]]
+    assert attn.tolist() == [[1, 1, 1, 1, 0], [0, 0, 1, 1, 1]]
+    assert pos.tolist() == [[0, 1, 2, 3, 3], [0, 0, 0, 1, 2]]
+    assert mask.tolist() == [[True, False], [True, True]]
+
+
+def test_token_logprobs_are_those_of_the_tempered_distribution():
+    logits, targets = torch.randn(2, 3, 11, generator=torch.Generator().manual_seed(0)), torch.tensor([[1, 2, 3]] * 2)
+    dist = torch.distributions.Categorical(logits=logits / 0.7)
+    logp, ent = token_logprobs(logits, targets, 0.7, entropy=True)
+    torch.testing.assert_close(logp, dist.log_prob(targets))
+    torch.testing.assert_close(ent, dist.entropy())
+    assert token_logprobs(logits, targets, 1.0)[1] is None
 
 
 def test_constructor_errors():

@@ -202,6 +202,20 @@ def test_the_rubric_coach_is_capped_by_the_same_rule() -> None:
     assert score.score == 4.0 and f"capped at 4 from 10 by rule: {REAL_CAP_RULE}" in score.rationale
 
 
+def test_the_cap_comes_from_the_evidence_when_no_workflow_states_one() -> None:
+    """The coach works the cap out of the recorded test evaluation: a replayed episode recorded without any stated
+    cap is capped as the live run was (a 2% share of the reference model's gain caps at 4)."""
+    extra = {k: v for k, v in analyst().extra.items() if k not in ("score_cap", "score_cap_rule")}
+    perfect = {**extra["test_evaluation"], "reference_fraction": 0.02}
+    with build_coach(CoachConfig(backend="rubric"), "ds_pipeline") as runner:
+        (score,) = runner.score_many([analyst(extra={**extra, "test_evaluation": perfect})])
+        (uncapped,) = runner.score_many(
+            [analyst(extra={**extra, "test_evaluation": {**perfect, "valid": False, "reason": "no file"}})]
+        )
+    assert score.score is not None and score.score <= 4.0 and "capped at 4" in score.rationale
+    assert "capped" not in uncapped.rationale  # no valid submission: the blame rules apply instead
+
+
 # ------------------------------------------------------------------------------------------------ flood
 FLOOD = tuple(f"{i:05d}_" + "n" * 240 for i in range(20_000))  # 20,000 long names, about 5 MB
 

@@ -14,8 +14,8 @@ from test_policy import AGENTS, convs, make_policy, perturb
 from test_selftest import Miswired
 
 from mappa.config import Config
+from mappa.decoding import Generation, scaled_logits
 from mappa.errors import MappaError
-from mappa.policy import Generation, scaled_logits
 from mappa.selftest import check_agents
 from mappa.trainer import update_settings
 from mappa.types import Action, Message

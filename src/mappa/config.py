@@ -302,6 +302,12 @@ class TrainConfig(Section):
         description="PPO's old log-probs from a training forward pass before the first optimizer step "
         "(generation kernels differ; in bf16 enough to trip the clip); false: the generation-time ones.",
     )
+    cpu_autocast: Literal["auto", "bf16", "off"] = Field(
+        "auto",
+        description="The update's forward/backward on a CPU under bfloat16 autocast (float32 weights): 'auto' where it "
+        "pays (AMX or AVX-512 BF16, hidden size >= 256), 'bf16' always, 'off' never; under it the old log-probs are "
+        "always recomputed. CUDA: ignored.",
+    )
     drop_truncated: bool = Field(True, description="Leave actions cut off by the token cap out of the loss.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0: only at start and end).")
     checkpoint_every: int = Field(1, ge=1, description="Checkpoint every N steps.")

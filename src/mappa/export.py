@@ -33,7 +33,7 @@ from mappa.config import Config, load_config
 from mappa.errors import MappaError
 from mappa.evaluate import policy_dir
 from mappa.models import load_base_model, public_name
-from mappa.policy import read_manifest
+from mappa.policy_files import read_manifest
 from mappa.tracking import read_metrics
 
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's --max-lora-rank accepts

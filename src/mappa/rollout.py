@@ -125,7 +125,8 @@ class Kit:
 def _load_policy(cfg: Config, agents: Sequence[str], device: str | None, weights: Path | None) -> Policy:
     """The configured model with one set of weights per agent (seeded), or a checkpoint's `weights` directory,
     which must hold every agent of `agents`."""
-    from mappa.policy import MANIFEST, Policy
+    from mappa.policy import Policy
+    from mappa.policy_files import MANIFEST
 
     template = cfg.generation.chat_template_kwargs  # prompts templated as generation templates them
     if weights is not None:

@@ -9,7 +9,7 @@ lives in `mappa.rl`; this module holds the weights' side of it and is what a tra
 trainer actor with --ray) runs.
 
 Every log-prob here (reference, rollout-time, current) is taken at `generation.temperature`, the
-distribution the actions were sampled from (`mappa.policy.scaled_logits`), as generation reports them.
+distribution the actions were sampled from (`mappa.decoding.scaled_logits`), as generation reports them.
 
 The update reads no run config: its caller resolves what it needs once into `UpdateSettings` (the trainer's
 `mappa.trainer.update_settings`), so this module knows nothing of where the actions were generated.
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from mappa import rl, sharding
+from mappa import precision, rl, sharding
 from mappa.config import Config, TrainConfig
 from mappa.errors import MappaError
 from mappa.types import Action
@@ -58,23 +58,22 @@ def _optimizer_step(
     gathers are collective). FSDP averages the ranks' gradients, so each rank's loss is scaled by their
     number; the sum over ranks is then the whole mini-batch's."""
     t = settings.train
-    rank, world = sharding.rank_world()
-    order = sorted(idx, key=lambda i: len(actions[i].response_ids))
-    micro = [order[i : i + t.micro_batch_size] for i in range(0, len(order), t.micro_batch_size)]
-    mine = [(micro[j], 1.0) for j in sharding.shares(len(micro), world, rank)]
-    mine += [(micro[0][:1], 0.0)] * (sharding.passes(len(micro), world) - len(mine))
+    world = sharding.rank_world()[1]
+    mine = _micro_batches(actions, idx, t.micro_batch_size)
     total = float(sum(len(actions[i].response_ids) for i in idx))
     sums = torch.zeros(len(STEP_STATS) - 1, dtype=torch.float64)  # loss, clip_frac, ratio_mean, approx_kl, entropy
     optimizer.zero_grad(set_to_none=True)
+    dtype = precision.autocast_dtype(t.cpu_autocast, policy.model)  # the dtype old_logp was computed in
     with torch.enable_grad():
         for rows, share in mine:
-            logp, m, ent = policy.forward_logprobs(
-                actions[0].agent,
-                [actions[i].prompt_ids for i in rows],
-                [actions[i].response_ids for i in rows],
-                temperature=settings.temperature,
-                entropy=True,
-            )
+            with precision.autocast(dtype):  # the backward runs each op in its forward's dtype
+                logp, m, ent = policy.forward_logprobs(
+                    actions[0].agent,
+                    [actions[i].prompt_ids for i in rows],
+                    [actions[i].response_ids for i in rows],
+                    temperature=settings.temperature,
+                    entropy=True,
+                )
             sel, width = torch.tensor(rows, device=old_logp.device), m.shape[1]
             loss, stats = rl.clipped_pg_loss(
                 logp.float(), old_logp[sel, :width], adv[sel, :width], m.float(), t.clip_eps
@@ -96,6 +95,38 @@ def _optimizer_step(
         "tokens": total,
         "lr": optimizer.param_groups[0]["lr"],
     }
+
+
+def _micro_batches(actions: Sequence[Action], idx: Sequence[int], size: int) -> list[tuple[list[int], float]]:
+    """This rank's micro-batches of the mini-batch `idx` (sorted by length to pad less), each with its weight:
+    1, or 0 for an idle pass (see `_optimizer_step`)."""
+    rank, world = sharding.rank_world()
+    order = sorted(idx, key=lambda i: len(actions[i].response_ids))
+    micro = [order[i : i + size] for i in range(0, len(order), size)]
+    mine = [(micro[j], 1.0) for j in sharding.shares(len(micro), world, rank)]
+    return mine + [(micro[0][:1], 0.0)] * (sharding.passes(len(micro), world) - len(mine))
+
+
+@torch.no_grad()
+def _old_logprobs(
+    policy: Any, actions: Sequence[Action], batches: list[list[int]], settings: UpdateSettings
+) -> torch.Tensor:
+    """(N, T) log-probs of the rollout-time policy, each row computed in the micro-batch its first training
+    forward will use (the first pass over `batches`). A row's log-probs move with its micro-batch's padded
+    length (other kernel blocking): by ~1e-6 in float32 but up to ~6e-3 under bfloat16 autocast on
+    SmolLM2-135M, so only the same layout keeps the first optimizer step's ratio at exactly 1. Sharded, each
+    rank computes its own micro-batches and the rows are summed over the ranks."""
+    t = settings.train
+    out = torch.zeros(len(actions), max(len(a.response_ids) for a in actions), device=policy.device)
+    for idx in batches[: -(-len(actions) // t.mini_batch_size)]:  # the first epoch holds every row once
+        for rows, share in _micro_batches(actions, idx, t.micro_batch_size):
+            lp, _ = policy.forward_logprobs(
+                actions[0].agent, [actions[i].prompt_ids for i in rows], [actions[i].response_ids for i in rows],
+                temperature=settings.temperature,
+            )  # fmt: skip
+            if share:
+                out[torch.tensor(rows, device=out.device), : lp.shape[1]] = lp.float()
+    return sharding.all_sum(out)
 
 
 def _logprobs(
@@ -142,10 +173,16 @@ def update_group(
     prompts, responses = [a.prompt_ids for a in actions], [a.response_ids for a in actions]
     # Both before the first optimizer step: the reference, and the rollout-time policy every ratio is against.
     # All at the sampling temperature: the ratio and the KL must refer to the distribution the tokens came from.
-    ref_logp, mask = _logprobs(policy, None, prompts, responses, t.micro_batch_size, temp)
+    # Under CPU autocast (`mappa.precision`) in the training forward's precision, so the first step's ratio is 1:
+    # float32 generation-time log-probs would differ from bfloat16 ones by enough to trip the clip.
+    dtype = precision.autocast_dtype(t.cpu_autocast, policy.model)
+    with precision.autocast(dtype):
+        ref_logp, mask = _logprobs(policy, None, prompts, responses, t.micro_batch_size, temp)
     mask, ref_logp = mask.float(), ref_logp.float()
-    if settings.recompute_old_logprobs:
-        old_logp = _logprobs(policy, actions[0].agent, prompts, responses, t.micro_batch_size, temp)[0].float()
+    batches = rl.minibatches(len(actions), t.mini_batch_size, t.epochs, seed)
+    if settings.recompute_old_logprobs or dtype is not None:
+        with precision.autocast(dtype):
+            old_logp = _old_logprobs(policy, actions, batches, settings)
     else:
         rows = [torch.tensor(a.logprobs, dtype=torch.float32) for a in actions]
         old_logp = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(mask.device)
@@ -153,7 +190,6 @@ def update_group(
     scale = settings.score_scale  # scaled in float64, then rounded once: score / 10 as it always was
     score_t = torch.tensor([s * scale for s in scores], dtype=torch.float32, device=mask.device)
     adv = rl.reinforce_pp_advantages(score_t, old_logp, ref_logp, mask, t.kl_coef, t.gamma)  # whitened once
-    batches = rl.minibatches(len(actions), t.mini_batch_size, t.epochs, seed)
     steps = []
     for j, idx in enumerate(batches):
         if lr is not None:

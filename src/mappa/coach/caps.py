@@ -1,38 +1,106 @@
-"""Score caps: upper bounds on an action's score that code derives from the evidence, enforced in code.
+"""Score caps: upper bounds on an action's score, derived in code from the evidence and enforced in code.
 
 A coach is told the cap (the `ds_pipeline` prompt shows it), but a coach's compliance is no guarantee:
 an LLM coach can be talked past it by the very evidence it judges. So `CoachRunner` applies every cap
 here to every backend's score on the way out (cache hits included; the cache keeps the coach's own
 judgment), and the rationale records that the cap applied and by which rule.
 
-The caps a context carries, in `CoachContext.extra`:
-- `score_cap` (a number, or None for no cap) with `score_cap_rule` (why), set by the `ds_pipeline`
-  workflow for the Analyst from the submission's test-set metric (`mappa.workflows.ds_pipeline.score_cap`).
+The caps are the coach's policy, computed here from the evidence a workflow records: a live run and a replay
+of its recorded episodes (`mappa coach score`) get the same caps because they rebuild the same evidence. The
+caps a context gets, the tightest applying:
+
+- the final agent's submission (`CoachContext.extra["test_evaluation"]`, with `["target_statistics"]`, which
+  `ds_pipeline` records for the Analyst): capped by the test metric and the share of the reference model's
+  gain it reaches (`submission_cap`, method.md §3);
+- a cap the context states (`extra["score_cap"]`, a number or None, with `extra["score_cap_rule"]`, why), for
+  a workflow with a rule of its own; like every cap it can only lower a score.
+
 A new kind of cap is one more reader in `_READERS`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from mappa.types import CoachContext, CoachScore
 
 Cap = tuple[float, str]  # (the highest score allowed, the rule that sets it)
 
+# Caps of a submission from the real test metric, as (threshold, cap), best first. The paper's tables cover
+# ROC-AUC/accuracy and RMSE as a share of the target's range; every metric is also capped by the share of the
+# reference model's gain over a trivial prediction it reaches (DSBench mixes ten metrics), so a prediction no
+# better than trivial (e.g. high accuracy from the majority class) is capped at 4.
+PAPER_CAPS = ((0.85, 9), (0.75, 8), (0.65, 6), (0.55, 4))  # roc_auc, accuracy at least x; below: 3
+RMSE_CAPS = ((10.0, 9), (25.0, 8), (50.0, 6))  # RMSE in % of the target's range below x; above: 4
+REFERENCE_CAPS = ((0.9, 9), (0.7, 8), (0.4, 6), (0.1, 5))  # share of the reference's gain at least x; below: 4
 
-def _ds_cap(ctx: CoachContext) -> Cap | None:
+
+def _step_cap(value: float, steps: Sequence[tuple[float, int]], floor: int, below: bool = False) -> int:
+    for threshold, cap in steps:
+        if (value < threshold) if below else (value >= threshold):
+            return cap
+    return floor
+
+
+def score_cap(test: Mapping[str, Any], stats: Mapping[str, Any]) -> tuple[int | None, str]:
+    """The highest score a submission's action may get given its test-set evaluation (`test`) and the target's
+    statistics (`stats`), and why (None: no cap, for no valid submission the coach's blame rules apply instead)."""
+    metric, score, share = test.get("metric"), test.get("score"), test.get("reference_fraction")
+    if not test.get("valid") or score is None:
+        return None, "no valid submission: the blame rules apply"
+    caps = []
+    if share is not None:  # a task without a reference score has no share of its gain
+        gain = f"{share:.0%} of the reference model's gain over a trivial prediction"
+        caps.append((_step_cap(share, REFERENCE_CAPS, 4), gain))
+    if metric in ("roc_auc", "accuracy"):
+        caps.append((_step_cap(score, PAPER_CAPS, 3), f"{metric} {score:.3f}"))
+    elif metric == "rmse" and stats.get("range"):
+        pct = 100 * score / stats["range"]
+        caps.append((_step_cap(pct, RMSE_CAPS, 4, below=True), f"RMSE {pct:.1f}% of the target's range"))
+    if not caps:
+        return None, f"no rule caps {metric}"
+    cap, why = min(caps)
+    return cap, f"at most {cap}: {why}"
+
+
+def submission_cap(ctx: CoachContext) -> tuple[int | None, str] | None:
+    """`score_cap` of the final agent's recorded test-set evaluation; None when the context carries none."""
+    test = ctx.extra.get("test_evaluation")
+    if not ctx.is_final or not test:
+        return None
+    return score_cap(test, ctx.extra.get("target_statistics") or {})
+
+
+def _submission(ctx: CoachContext) -> Cap | None:
+    found = submission_cap(ctx)
+    if found is None or found[0] is None:
+        return None
+    return float(found[0]), found[1]
+
+
+def _stated(ctx: CoachContext) -> Cap | None:
     cap = ctx.extra.get("score_cap")
     if cap is None:
         return None
     return float(cap), str(ctx.extra.get("score_cap_rule") or f"at most {float(cap):g}")
 
 
-_READERS: tuple[Callable[[CoachContext], Cap | None], ...] = (_ds_cap,)
+_READERS: tuple[Callable[[CoachContext], Cap | None], ...] = (_submission, _stated)
 
 
 def score_caps(ctx: CoachContext) -> list[Cap]:
-    """Every cap the context carries (empty: none)."""
+    """Every cap the context's evidence sets (empty: none)."""
     return [cap for read in _READERS if (cap := read(ctx)) is not None]
+
+
+def cap_shown(ctx: CoachContext) -> tuple[float | None, str]:
+    """The cap a coach is told: the tightest with its rule, or (None, why no cap applies; empty: no rule)."""
+    caps = score_caps(ctx)
+    if caps:
+        return min(caps)
+    found = submission_cap(ctx)
+    return None, "" if found is None else found[1]
 
 
 def apply_caps(ctx: CoachContext, result: CoachScore) -> CoachScore:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from mappa.coach.caps import cap_shown
 from mappa.types import CoachContext
 
 ChatMessages = list[dict[str, str]]
@@ -300,8 +301,7 @@ def _file_passing_sections(ctx: CoachContext, fence: Fence) -> list[str]:
         parts.append(f"## Target statistics (train.csv)\n{wrap(stats)}")
         # The number stands outside the fence (code computed it and code enforces it: mappa.coach.caps); the
         # rule's wording, like all context text, inside.
-        cap = ex.get("score_cap")
-        rule = ex.get("score_cap_rule")
+        cap, rule = cap_shown(ctx)
         bound = "none" if cap is None else f"at most {float(cap):g}"
         parts.append(f"## Hard cap on this action's score\n{bound}" + (f"\n{wrap(str(rule))}" if rule else ""))
     return parts

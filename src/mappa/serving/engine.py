@@ -25,8 +25,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mappa.decoding import DecodeRow, Generation
 from mappa.models import load_base_model
-from mappa.policy import DecodeRow, Generation, Policy
+from mappa.policy import Policy
 from mappa.serving.adapters import ServedPolicy
 from mappa.serving.decoder import Decoder, decoding
 from mappa.serving.prefix_cache import PrefixCache

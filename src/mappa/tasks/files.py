@@ -15,7 +15,7 @@ caught. Reads past `max_bytes` find the end of the file even when it grows. A re
 `AgentFileError` whose message is a one-line reason that never quotes the file.
 
 File names go into prompts through `bounded_names`: at most `MAX_LISTED` names, each printable and at most
-`MAX_NAME_CHARS` long, and a last entry "... and K more".
+`MAX_NAME_CHARS` long, and a last entry "... and K more"; `visible_names` first leaves out hidden files and caches.
 """
 
 from __future__ import annotations
@@ -178,3 +178,13 @@ def bounded_names(names: Iterable[str], keep: Collection[str] = (), limit: int =
             picked.append(shown(n))
             room -= 1
     return [*picked, f"... and {len(names) - len(picked)} more"]
+
+
+def visible_names(names: Iterable[str]) -> tuple[str, ...]:
+    """The workspace files (relative paths) as agents are shown them: sorted, without hidden files and caches
+    (HOME points into the workspace, so libraries may leave `.cache` and `.config` there)."""
+    return tuple(sorted(n for n in set(names) if not _hidden(n)))
+
+
+def _hidden(name: str) -> bool:
+    return any(part.startswith(".") or part == "__pycache__" for part in Path(name).parts)

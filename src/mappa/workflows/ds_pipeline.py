@@ -12,13 +12,14 @@ The agents pass work through files: one workspace per episode, shared by every t
 starts with the task's `train.csv`, `test.csv`, `sample_submission.csv` and `description.txt` (copied from
 `task.meta["task_dir"]`; the answers live elsewhere and never enter it). Each prompt lists the files present
 and which files each earlier agent saved, warns about an earlier agent's required file that is missing, and
-gives the earlier agents' final messages with their reasoning blocks removed. A file list, in a prompt or in
-the coach's evidence, shows at most `mappa.tasks.files.MAX_LISTED` names (the required files present always
-among them), then how many more. Every ```python block of an
-action is joined into one snippet that runs in the workspace; the output comes back as
-`<tool_response>...</tool_response>` together with the files now present. An agent stops at an action
-without code, at its turn cap, or once its code ran cleanly and all its required files exist (its job is
-done; the paper's agents stop only at the first two, which costs turns the demo cannot afford).
+gives the earlier agents' final messages with their reasoning blocks removed (the wording: `ds_prompts`). A
+file list, in a prompt or in the coach's evidence, shows at most `mappa.tasks.files.MAX_LISTED` names (the
+required files present always among them), then how many more. Every ```python block of an action is joined
+into one snippet that runs in the workspace; the output comes back as `<tool_response>...</tool_response>`
+together with the files now present. An agent stops at an action without code, at its turn cap, or once its
+code ran cleanly and all its required files exist (its job is done; the paper's agents stop only at the first
+two, which costs turns the demo cannot afford). While a batch plays, all of an episode's state is one record
+(`ds_state.DsEpisode`).
 
 `Episode.correct` is a valid `submission.csv` (`mappa.tasks.tabular.score_submission`, which reads it as an
 agent file: a link, a FIFO or an oversized file is an invalid submission with its reason); `Episode.meta`
@@ -26,8 +27,8 @@ holds the scores (`submission`: valid, reason, metric, score, gap, reference_fra
 paper's fair figures: `mappa.tasks.dsbench.metrics.paper_figures`, fallbacks for a failed run) and the required
 files missing at the end (`missing_files`). The coach's evidence (`Action.evidence`, recorded live so a
 replay rebuilds it) is the file list before and after the action and the files each earlier agent saved;
-for the Analyst also the test-set evaluation of `submission.csv` as the action left it, the target's
-statistics from `train.csv`, and the score cap those imply (`score_cap`).
+for the Analyst also the test-set evaluation of `submission.csv` as the action left it and the target's
+statistics from `train.csv`, from which the coach derives the Analyst's score cap (`mappa.coach.caps`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import dataclasses
 import os
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,9 @@ from mappa.protocols import ProgressFn, Runtime
 from mappa.sandbox.codeblocks import extract_code_blocks, format_observation
 from mappa.sandbox.workspace import snapshot
 from mappa.tasks.answers import without_reasoning
-from mappa.tasks.files import bounded_names
+from mappa.tasks.files import visible_names
 from mappa.types import Action, CoachContext, Episode, ExecResult, Message, Task
+from mappa.workflows import ds_prompts
 from mappa.workflows.base import (
     AgentSpec,
     Batch,
@@ -59,112 +61,21 @@ from mappa.workflows.base import (
     run_stage,
     score_stage,
 )
+from mappa.workflows.ds_prompts import _TOOLS as _TOOLS  # the agents' tool text (a test checks their packages)
+from mappa.workflows.ds_prompts import ANALYST, DATA_ENGINEER, MODELER, REQUIRED, SPECS, listed, missing_upstream
+from mappa.workflows.ds_state import AgentTurns, DsEpisode, Team
 
-_TEAM = (
-    "a data-science team of three agents (Data Engineer, then Modeler, then Analyst) that solves a Kaggle-style "
-    "tabular task by passing files through one shared folder"
-)
-_TOOLS = (
-    "Write Python in a ```python block: it runs in the shared folder (numpy, pandas, scipy and scikit-learn "
-    "are installed, no internet) and its output comes back to you in <tool_response>. You can run code {turns} "
-    "time(s); reply without a code block when you are done. Keep it short: each reply is cut off after {budget} "
-    "tokens."
-)
-
-DATA_ENGINEER = AgentSpec(
-    name="data_engineer",
-    title="Data Engineer",
-    role=(
-        f"You are the Data Engineer, the first agent of {_TEAM}. The folder holds train.csv, test.csv, "
-        "sample_submission.csv and description.txt. Load train.csv and test.csv with pandas, prepare the "
-        "features the same way for both (numbers only, no missing values), and save three files with pickle: "
-        "X_train.pkl (training features), y_train.pkl (the target) and X_test.pkl (test features, in the row "
-        "order of test.csv). The Modeler trains on X_train.pkl and y_train.pkl; the Analyst predicts on "
-        f"X_test.pkl. Print a short summary of what you did. {_TOOLS}"
-    ),
-    max_turns=4,
-    tools=("python",),
-    sees="the task description and the file list",
-)
-
-MODELER = AgentSpec(
-    name="modeler",
-    title="Modeler",
-    role=(
-        f"You are the Modeler, the second agent of {_TEAM}. The Data Engineer saved X_train.pkl, y_train.pkl "
-        "and X_test.pkl. Load X_train.pkl and y_train.pkl (only files listed as present), fit a scikit-learn "
-        "model suited to the task's metric, and save it to model.pkl with pickle. Print a short summary: the "
-        f"model and a validation score. The Analyst uses model.pkl to predict. {_TOOLS}"
-    ),
-    max_turns=4,
-    tools=("python",),
-    sees="the task description, the file list and the Data Engineer's final message (no reasoning)",
-)
-
-ANALYST = AgentSpec(
-    name="analyst",
-    title="Analyst",
-    role=(
-        f"You are the Analyst, the last agent of {_TEAM}. The team succeeds only if you write a valid "
-        "submission.csv. Load model.pkl and X_test.pkl, predict for every row of test.csv, and write "
-        "submission.csv with exactly the columns of sample_submission.csv: the id column of test.csv, then the "
-        "prediction (class probabilities when the metric asks for them). If a file is missing, work around it "
-        f"with the files that are present. {_TOOLS}"
-    ),
-    max_turns=4,
-    tools=("python",),
-    sees="the task description, the file list with warnings, both earlier agents' final messages (no reasoning)",
-)
-
-SPECS = (DATA_ENGINEER, MODELER, ANALYST)
-REQUIRED: dict[str, tuple[str, ...]] = {
-    DATA_ENGINEER.name: ("X_train.pkl", "y_train.pkl", "X_test.pkl"),
-    MODELER.name: ("model.pkl",),
-    ANALYST.name: ("submission.csv",),
-}
-# File lists in prompts and evidence are bounded (`bounded_names`) but always show the required files present.
-ALWAYS_LISTED = tuple(f for files in REQUIRED.values() for f in files)
-
-# The task restated at the end of each first prompt: small models follow the last instruction they read.
-ASK = {
-    DATA_ENGINEER.name: "Write a ```python block that loads the data, prepares the features and saves X_train.pkl, "
-    "y_train.pkl and X_test.pkl.",
-    MODELER.name: "Write a ```python block that loads X_train.pkl and y_train.pkl, fits a model and saves it to "
-    "model.pkl.",
-    ANALYST.name: "Write a ```python block that loads model.pkl and X_test.pkl, predicts, and writes "
-    "submission.csv in the format of sample_submission.csv.",
-}
-
-# Score caps for the Analyst from the real test metric (method.md §3), as (threshold, cap), best first. The
-# paper's tables cover ROC-AUC/accuracy and RMSE as a share of the target's range; every metric is also capped
-# by the share of the reference model's gain over a trivial prediction it reaches (DSBench mixes ten metrics),
-# so a prediction no better than trivial (e.g. high accuracy from the majority class) is capped at 4.
-PAPER_CAPS = ((0.85, 9), (0.75, 8), (0.65, 6), (0.55, 4))  # roc_auc, accuracy at least x; below: 3
-RMSE_CAPS = ((10.0, 9), (25.0, 8), (50.0, 6))  # RMSE in % of the target's range below x; above: 4
-REFERENCE_CAPS = ((0.9, 9), (0.7, 8), (0.4, 6), (0.1, 5))  # share of the reference's gain at least x; below: 4
+__all__ = ["ANALYST", "DATA_ENGINEER", "MODELER", "REQUIRED", "SPECS", "DsPipeline", "Team"]
 
 
 def visible_files(workspace: Path) -> tuple[str, ...]:
-    """The workspace's files as the agents see them: relative paths, sorted, without hidden files and caches
-    (HOME points into the workspace, so libraries may leave `.cache` and `.config` there)."""
-    return tuple(sorted(name for name in snapshot(workspace) if _visible(name)))
-
-
-def _visible(name: str) -> bool:
-    return not any(part.startswith(".") or part == "__pycache__" for part in Path(name).parts)
-
-
-def listed(names: Sequence[str]) -> list[str]:
-    """`names` as a prompt or the coach's evidence shows them: at most `MAX_LISTED`, the required files present
-    always among them."""
-    return bounded_names(names, keep=ALWAYS_LISTED)
+    """The workspace's files as the agents see them (`mappa.tasks.files.visible_names`)."""
+    return visible_names(snapshot(workspace))
 
 
 def saved_files(result: ExecResult | None) -> tuple[str, ...]:
     """The files one code run created or changed (visible ones only)."""
-    if result is None:
-        return ()
-    return tuple(sorted(f for f in {*result.files_created, *result.files_changed} if _visible(f)))
+    return () if result is None else visible_names([*result.files_created, *result.files_changed])
 
 
 def check_task(task: Task) -> Path:
@@ -194,16 +105,6 @@ def stock_workspace(workspace: Path, task: Task) -> None:
             os.chown(workspace / name, owner.st_uid, owner.st_gid)
 
 
-def missing_upstream(agent: str, files: Sequence[str]) -> dict[str, str]:
-    """Required files of the agents before `agent` that are not among `files`: file -> the agent that owed it."""
-    out: dict[str, str] = {}
-    for spec in SPECS:
-        if spec.name == agent:
-            break
-        out.update({f: spec.name for f in REQUIRED[spec.name] if f not in files})
-    return out
-
-
 def target_statistics(task: Task) -> dict[str, Any]:
     """The target column of `train.csv`: class shares (classification) or its spread (regression)."""
     import pandas as pd
@@ -224,40 +125,6 @@ def target_statistics(task: Task) -> dict[str, Any]:
     stats = {"mean": v.mean(), "std": v.std(), "min": v.min(), "max": v.max(), "median": median, "iqr": q3 - q1}
     stats["range"] = stats["max"] - stats["min"]
     return {"column": target, "rows": int(v.size), **{k: float(f"{float(x):.4g}") for k, x in stats.items()}}
-
-
-def _step_cap(value: float, steps: Sequence[tuple[float, int]], floor: int, below: bool = False) -> int:
-    for threshold, cap in steps:
-        if (value < threshold) if below else (value >= threshold):
-            return cap
-    return floor
-
-
-def score_cap(test: dict[str, Any], stats: dict[str, Any]) -> tuple[int | None, str]:
-    """The highest score the Analyst's action may get given its test-set evaluation, and why (None: no valid
-    submission, the blame rules apply instead)."""
-    if not test["valid"] or test["score"] is None:
-        return None, "no valid submission: the blame rules apply"
-    share = test["reference_fraction"]
-    caps = [
-        (_step_cap(share, REFERENCE_CAPS, 4), f"{share:.0%} of the reference model's gain over a trivial prediction")
-    ]
-    metric, score = test["metric"], test["score"]
-    if metric in ("roc_auc", "accuracy"):
-        caps.append((_step_cap(score, PAPER_CAPS, 3), f"{metric} {score:.3f}"))
-    elif metric == "rmse" and stats.get("range"):
-        pct = 100 * score / stats["range"]
-        caps.append((_step_cap(pct, RMSE_CAPS, 4, below=True), f"RMSE {pct:.1f}% of the target's range"))
-    cap, why = min(caps)
-    return cap, f"at most {cap}: {why}"
-
-
-@dataclass
-class Team:
-    """One episode's file passing so far: each earlier agent's final message and the files it saved."""
-
-    finals: dict[str, str] = field(default_factory=dict)  # agent -> final message, reasoning removed
-    saved: dict[str, tuple[str, ...]] = field(default_factory=dict)  # agent -> files its code created or changed
 
 
 class DsPipeline:
@@ -296,23 +163,8 @@ class DsPipeline:
 
     # ---------------------------------------------------------------------------------------------- prompts
     def first_prompt(self, spec: AgentSpec, task: Task, files: Sequence[str], team: Team, budget: int | None) -> str:
-        """The agent's first user turn: the task, the files present, what earlier agents saved and said."""
-        lines = [f"Task description:\n{task.problem.strip()}", f"Files in the folder: {', '.join(listed(files))}"]
-        for agent, saved in team.saved.items():
-            lines.append(f"Saved by the {self.spec(agent).title}: {', '.join(saved) or 'nothing'}")
-        owed: dict[str, list[str]] = {}
-        for name, agent in missing_upstream(spec.name, files).items():
-            owed.setdefault(agent, []).append(name)
-        for agent, names in owed.items():
-            what, it = (
-                (f"{names[0]} is", "it")
-                if len(names) == 1
-                else (f"{', '.join(names[:-1])} and {names[-1]} are", "them")
-            )
-            lines.append(f"Warning: {what} missing: the {self.spec(agent).title} did not save {it}.")
-        for agent, text in team.finals.items():
-            lines.append(f"The {self.spec(agent).title}'s final message:\n{clip_middle(text, budget) or '(empty)'}")
-        return "\n\n".join([*lines, ASK[spec.name]])
+        """The agent's first user turn (`ds_prompts.first_prompt`)."""
+        return ds_prompts.first_prompt(spec, task, files, team, budget)
 
     def messages(
         self,
@@ -334,12 +186,8 @@ class DsPipeline:
         return messages
 
     def tool_response(self, spec: AgentSpec, result: ExecResult, files: Sequence[str]) -> str:
-        """What a code run returns to its agent: the output, the files now present and its files still missing."""
-        missing = [f for f in REQUIRED[spec.name] if f not in files]
-        still = f"\nStill missing: {', '.join(missing)}" if missing else ""
-        observation = format_observation(result, self.observation_chars)
-        shown = ", ".join(listed(files))
-        return f"<tool_response>\n{observation}\n\nFiles in the folder: {shown}{still}\n</tool_response>"
+        """What a code run returns to its agent (`ds_prompts.tool_response`)."""
+        return ds_prompts.tool_response(spec, result, files, self.observation_chars)
 
     # ------------------------------------------------------------------------------------------------- coach
     def evidence(self, spec: AgentSpec, state: EpisodeState, before: Sequence[str], team: Team) -> dict[str, Any]:
@@ -351,10 +199,9 @@ class DsPipeline:
             "missing_upstream": missing_upstream(spec.name, before),
         }
         if spec.name == ANALYST.name:
-            test = self.test_evaluation(state)
-            stats = self.target_statistics(state.task)
-            cap, why = score_cap(test, stats)
-            ev.update(test_evaluation=test, target_statistics=stats, score_cap=cap, score_cap_rule=why)
+            ev.update(
+                test_evaluation=self.test_evaluation(state), target_statistics=self.target_statistics(state.task)
+            )
         return ev
 
     def test_evaluation(self, state: EpisodeState) -> dict[str, Any]:
@@ -412,9 +259,8 @@ class DsPipeline:
             "files_saved": listed(saved_files(result)),
             "missing_upstream": dict(ev.get("missing_upstream", {})),
         }
-        extra.update(
-            {k: ev[k] for k in ("test_evaluation", "target_statistics", "score_cap", "score_cap_rule") if k in ev}
-        )
+        # Older recorded evidence may also hold a `score_cap`; it is not passed on: the coach derives the cap.
+        extra.update({k: ev[k] for k in ("test_evaluation", "target_statistics") if k in ev})
         return CoachContext(
             task=task.problem,
             workflow=self.name,
@@ -439,107 +285,93 @@ class DsPipeline:
             return []
         for task in tasks:
             check_task(task)
-        outcomes: dict[str, dict[str, Any]] = {}
-        states = play_batch(
+        episodes: list[Episode] = []
+        play_batch(
             tasks,
             rt,
             self.gen,
-            lambda batch: self._play(batch, outcomes),
+            lambda batch: episodes.extend(self._play(batch)),
             actions_per_episode=sum(s.max_turns for s in self.specs),
             keep_workspaces=self.keep_workspaces,
             seed=seed,
             progress=progress,
         )
-        return [self._episode(s, outcomes[s.id]) for s in states]
+        return episodes
+
+    def _play(self, batch: Batch) -> list[Episode]:
+        """Every agent in turn over the batch's episodes; returns them scored while their workspaces exist."""
+        records = [DsEpisode(s) for s in batch.states]
+        for ep in records:
+            stock_workspace(ep.state.workspace, ep.state.task)
+        live = records
+        for j, spec in enumerate(self.specs):
+            playing = [ep for ep in live if ep.state.error is None]  # an episode whose prompt could not fit stopped
+            batch.count.drop((len(live) - len(playing)) * sum(x.max_turns for x in self.specs[j:]))
+            live = playing
+            self._agent(batch, spec, live)
+        return [self._episode(ep.state) for ep in records]
+
+    def _agent(self, batch: Batch, spec: AgentSpec, episodes: list[DsEpisode]) -> None:
+        """Up to `spec.max_turns` turns of one agent in every episode; records its final message and files."""
+        for ep in episodes:
+            ep.turns = AgentTurns(start=visible_files(ep.state.workspace))
+        waiting = episodes
+        for k in range(spec.max_turns):
+            stage = self._stage(batch, spec, waiting, k)
+            asked, waiting = len(waiting), []
+            for ep, action in stage:
+                turns, result = ep.turns, action.exec_result
+                turns.final = action
+                if result is None:  # a reply without code ends the agent's turns
+                    continue
+                turns.saved.extend(saved_files(result))
+                files = visible_files(ep.state.workspace)
+                turns.history.append((action, self.tool_response(spec, result, files)))
+                done = result.ok and all(f in files for f in REQUIRED[spec.name])
+                if not done and k + 1 < spec.max_turns:
+                    waiting.append(ep)
+            batch.count.drop((asked - len(waiting)) * (spec.max_turns - k - 1))
+        for ep in episodes:
+            if ep.turns.final is not None:
+                ep.team.finals[spec.name] = without_reasoning(ep.turns.final.text).strip()
+                ep.team.saved[spec.name] = tuple(listed(list(dict.fromkeys(ep.turns.saved))))
 
     def _stage(
-        self, batch: Batch, spec: AgentSpec, turns: list[Turn], turn_index: int, teams: dict[int, Team]
-    ) -> list[tuple[Turn, Action]]:
-        before = {id(t.state): visible_files(t.state.workspace) for t in turns}
-        done = run_stage(batch, spec, turns, turn_index=turn_index, extract_code=extract_code_blocks)
-        done = [
-            (
-                t,
-                a.model_copy(
-                    update={"evidence": self.evidence(spec, t.state, before[id(t.state)], teams[id(t.state)])}
-                ),
-            )
-            for t, a in done
-        ]
-        contexts = [self.context(t.state.task, a) for t, a in done]
-        done = score_stage(done, contexts, batch.rt.scorer)
+        self, batch: Batch, spec: AgentSpec, episodes: list[DsEpisode], turn_index: int
+    ) -> list[tuple[DsEpisode, Action]]:
+        """One turn of `spec` in every episode given: generated, run, given its evidence, scored and recorded."""
+        by_id = {ep.state.id: ep for ep in episodes}
+        turns = []
+        for ep in episodes:
+            ep.turns.before = visible_files(ep.state.workspace)
+            build = partial(self.messages, spec, ep.state.task, ep.turns.start, ep.team, ep.turns.history)
+            turns.append(Turn(ep.state, build))
+        done: list[tuple[Turn, Action]] = []
+        for turn, action in run_stage(batch, spec, turns, turn_index=turn_index, extract_code=extract_code_blocks):
+            ep = by_id[turn.state.id]
+            evidence = self.evidence(spec, ep.state, ep.turns.before, ep.team)
+            done.append((turn, action.model_copy(update={"evidence": evidence})))
+        done = score_stage(done, [self.context(t.state.task, a) for t, a in done], batch.rt.scorer)
         for turn, action in done:
             turn.state.actions.append(action)
         batch.count.advance(len(turns))
-        return done
+        return [(by_id[turn.state.id], action) for turn, action in done]
 
-    def _agent(self, batch: Batch, spec: AgentSpec, states: list[EpisodeState], teams: dict[int, Team]) -> None:
-        """Up to `spec.max_turns` turns of one agent in every episode; records its final message and files."""
-        start = {id(s): visible_files(s.workspace) for s in states}
-        history: dict[int, list[tuple[Action, str]]] = {id(s): [] for s in states}
-        saved: dict[int, list[str]] = {id(s): [] for s in states}
-        final: dict[int, Action] = {}
-        waiting = list(states)
-        for k in range(spec.max_turns):
-            turns = [
-                Turn(
-                    s,
-                    lambda budget, s=s: self.messages(
-                        spec, s.task, start[id(s)], teams[id(s)], history[id(s)], budget
-                    ),
-                )
-                for s in waiting
-            ]
-            waiting = []
-            for turn, action in self._stage(batch, spec, turns, k, teams):
-                s, result = turn.state, action.exec_result
-                final[id(s)] = action
-                if result is None:  # a reply without code ends the agent's turns
-                    continue
-                saved[id(s)].extend(saved_files(result))
-                files = visible_files(s.workspace)
-                history[id(s)].append((action, self.tool_response(spec, result, files)))
-                done = result.ok and all(f in files for f in REQUIRED[spec.name])
-                if not done and k + 1 < spec.max_turns:
-                    waiting.append(s)
-            batch.count.drop((len(turns) - len(waiting)) * (spec.max_turns - k - 1))
-        for s in states:
-            if id(s) in final:
-                teams[id(s)].finals[spec.name] = without_reasoning(final[id(s)].text).strip()
-                teams[id(s)].saved[spec.name] = tuple(listed(list(dict.fromkeys(saved[id(s)]))))
-
-    def _play(self, batch: Batch, outcomes: dict[str, dict[str, Any]]) -> None:
-        for s in batch.states:
-            stock_workspace(s.workspace, s.task)
-        teams = {id(s): Team() for s in batch.states}
-        live = list(batch.states)
-        for j, spec in enumerate(self.specs):
-            playing = [s for s in live if s.error is None]  # an episode whose prompt could not fit has stopped
-            batch.count.drop((len(live) - len(playing)) * sum(x.max_turns for x in self.specs[j:]))
-            live = playing
-            self._agent(batch, spec, live, teams)
-        for s in batch.states:  # scored while the workspaces still exist
-            files = visible_files(s.workspace)
-            test = self.test_evaluation(s)
-            outcomes[s.id] = {
-                "submission": test,
-                "paper": self.paper_figures(s.task, s.workspace / "submission.csv", bool(test["valid"])),
-                "missing_files": [f for agent in self.agents for f in REQUIRED[agent] if f not in files],
-                "submitted": "submission.csv" in files,
-            }
-
-    def _episode(self, s: EpisodeState, outcome: dict[str, Any]) -> Episode:
-        test = outcome["submission"]
-        if not outcome["submitted"]:
+    def _episode(self, s: EpisodeState) -> Episode:
+        """The finished episode, its submission scored against the hidden answers."""
+        files = visible_files(s.workspace)
+        test = self.test_evaluation(s)
+        if "submission.csv" not in files:
             final_answer = None
         elif test["valid"]:
             final_answer = f"{test['metric']}={test['score']:.6g}"
         else:
             final_answer = f"invalid submission: {test['reason']}"
         submission = {k: test[k] for k in ("valid", "reason", "metric", "score", "gap", "reference_fraction")}
-        submission["paper"] = outcome["paper"]  # the paper's fair figures (fallbacks when invalid)
+        # the paper's fair figures (fallbacks when invalid)
+        submission["paper"] = self.paper_figures(s.task, s.workspace / "submission.csv", bool(test["valid"]))
         meta = {**episode_meta(s, self.keep_workspaces), "submission": submission}
-        meta["missing_files"] = outcome["missing_files"]
+        meta["missing_files"] = [f for agent in self.agents for f in REQUIRED[agent] if f not in files]
         return Episode(
             id=s.id,
             workflow=self.name,

@@ -2,7 +2,8 @@
 
 - `metrics`: the ten metrics DSBench mixes, the trivial and perfect scores, the relative gap;
 - `submission`: reading and scoring a `submission.csv` (a bad file is a failure with a reason, never a crash);
-- `catalogue`: the sources (package, version, licence) and the tasks (table, target, metric);
+- `catalogue`: the tasks (table, target, metric, preparation), read from the data file `catalogue.yaml`;
+- `tables`: the sources (package, version, licence), loading their tables and the preparation recipes;
 - `describe`: the Kaggle-page `description.txt` of a task;
 - `reference`: the scripted reference team (Data Engineer -> Modeler -> Analyst snippets, no model);
 - `build`: `build_dsbench(out, seed)`, which writes the benchmark directory and refuses tasks the reference

@@ -1,0 +1,42 @@
+"""One data-science episode in flight (`mappa.workflows.ds_pipeline`): all of its state in one record.
+
+DsEpisode
+  state  EpisodeState   the workflow-independent part: task, workspace, actions, error, timings
+  team   Team           what the agents done so far passed on: final messages and the files each saved
+  turns  AgentTurns     the agent now playing: the files it started with, its chat so far, what it saved
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mappa.types import Action
+from mappa.workflows.base import EpisodeState
+
+
+@dataclass
+class Team:
+    """One episode's file passing so far: each earlier agent's final message and the files it saved."""
+
+    finals: dict[str, str] = field(default_factory=dict)  # agent -> final message, reasoning removed
+    saved: dict[str, tuple[str, ...]] = field(default_factory=dict)  # agent -> files its code created or changed
+
+
+@dataclass
+class AgentTurns:
+    """One agent's turns in one episode so far."""
+
+    start: tuple[str, ...] = ()  # the files present when it began (its first prompt lists them)
+    before: tuple[str, ...] = ()  # the files present before its latest action (the coach's evidence)
+    history: list[tuple[Action, str]] = field(default_factory=list)  # its actions with code, and their tool responses
+    saved: list[str] = field(default_factory=list)  # the files its code created or changed, in order, repeats kept
+    final: Action | None = None  # its latest action: the last one once it stopped
+
+
+@dataclass
+class DsEpisode:
+    """Everything the pipeline keeps of one episode while its batch plays."""
+
+    state: EpisodeState
+    team: Team = field(default_factory=Team)
+    turns: AgentTurns = field(default_factory=AgentTurns)
