@@ -43,6 +43,7 @@ from mappa.workflows.base import (
     Batch,
     EpisodeState,
     Turn,
+    action_context,
     clip_middle,
     episode_meta,
     fit_messages,
@@ -419,27 +420,12 @@ class CoderReviewer:
     # ------------------------------------------------------------------------------------------------- coach
     def context(self, task: Task, action: Action) -> CoachContext:
         """The coach's evidence for one action: what its agent saw, its output, the example run (the tool result)
-        and, for the Reviewer only, how the final code did on the hidden tests (`extra`, from `Action.evidence`)."""
-        spec = next((s for s in self.specs if s.name == action.agent), None)
-        if spec is None:
-            raise MappaError(
-                f"agent {action.agent!r} is not part of workflow {self.name!r} ({', '.join(self.agents)})"
-            )
-        is_final = spec.name == REVIEWER.name
-        result = action.exec_result
-        return CoachContext(
-            task=task.problem,
-            workflow=self.name,
-            agent=spec.name,
-            role=self.role(spec),
-            is_final=is_final,
-            messages=action.messages,
-            output=action.text,
-            exec_result=result,
-            observation="" if result is None else format_observation(result, self.observation_chars),
-            ground_truth=task.answer if is_final else None,  # the hidden tests: for the final agent's coach only
-            extra={"tools": list(spec.tools), **action.evidence},
-        )
+        and, for the Reviewer only, how the final code did on the hidden tests (`extra`, from `Action.evidence`);
+        the hidden tests are the Reviewer's coach's ground truth only."""
+        return action_context(
+            self.name, self.specs, self.role, task, action, final=REVIEWER.name,
+            observation_chars=self.observation_chars, extra=action.evidence,
+        )  # fmt: skip
 
     # --------------------------------------------------------------------------------------------------- run
     def run(

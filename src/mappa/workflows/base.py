@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from mappa.config import GenerationConfig
+from mappa.errors import MappaError
 from mappa.protocols import PolicyLike, ProgressFn, Runtime, Scorer
 from mappa.sandbox import new_workspace, remove_workspace
+from mappa.sandbox.codeblocks import format_observation
 from mappa.types import Action, CoachContext, CoachScore, ExecResult, Message, Task
 
 
@@ -35,6 +37,26 @@ class AgentSpec:
     max_turns: int  # turn cap within one episode
     tools: tuple[str, ...] = ()  # ("python",): every ```python block of an action runs
     sees: str = ""  # what it sees of earlier agents, for docs and the coach
+
+
+def action_context(
+    workflow: str, specs: Sequence[AgentSpec], role: Callable[[AgentSpec], str], task: Task, action: Action, *,
+    final: str, observation_chars: int, extra: dict[str, Any] | None = None,
+) -> CoachContext:  # fmt: skip
+    """The coach's evidence for one action of a team whose agents take turns: exactly what its agent saw, its raw
+    output, its tool call and result, the tools it had (judged on code only if it had a tool) and `extra`; the
+    ground truth for the `final` agent's coach only (earlier agents are judged on evidence alone)."""
+    spec = next((s for s in specs if s.name == action.agent), None)
+    if spec is None:
+        names = ", ".join(s.name for s in specs)
+        raise MappaError(f"agent {action.agent!r} is not part of workflow {workflow!r} ({names})")
+    is_final, result = spec.name == final, action.exec_result
+    return CoachContext(
+        task=task.problem, workflow=workflow, agent=spec.name, role=role(spec), is_final=is_final,
+        messages=action.messages, output=action.text, exec_result=result,
+        observation="" if result is None else format_observation(result, observation_chars),
+        ground_truth=task.answer if is_final else None, extra={"tools": list(spec.tools), **(extra or {})},
+    )  # fmt: skip
 
 
 @dataclass

@@ -23,7 +23,6 @@ import dataclasses
 from collections.abc import Sequence
 
 from mappa.config import GenerationConfig, SandboxConfig, WorkflowConfig
-from mappa.errors import MappaError
 from mappa.protocols import ProgressFn, Runtime
 from mappa.sandbox.codeblocks import extract_code_blocks, format_observation
 from mappa.tasks import check_answer, extract_answer
@@ -33,6 +32,7 @@ from mappa.workflows.base import (
     Batch,
     EpisodeState,
     Turn,
+    action_context,
     clip_middle,
     episode_meta,
     feedback_note,
@@ -171,26 +171,10 @@ class MathChat:
     # ------------------------------------------------------------------------------------------------- coach
     def context(self, task: Task, action: Action) -> CoachContext:
         """The coach's evidence for one action: exactly what its agent saw, its raw output and its tool call."""
-        spec = next((s for s in self.specs if s.name == action.agent), None)
-        if spec is None:
-            raise MappaError(
-                f"agent {action.agent!r} is not part of workflow {self.name!r} ({', '.join(self.agents)})"
-            )
-        is_final = spec.name == VERIFIER.name
-        result = action.exec_result
-        return CoachContext(
-            task=task.problem,
-            workflow=self.name,
-            agent=spec.name,
-            role=self.role(spec),
-            is_final=is_final,
-            messages=action.messages,
-            output=action.text,
-            exec_result=result,
-            observation="" if result is None else format_observation(result, self.observation_chars),
-            ground_truth=task.answer if is_final else None,  # the coach judges earlier agents on evidence only
-            extra={"tools": list(spec.tools)},  # what the agent could use: judged on code only if it had a tool
-        )
+        return action_context(
+            self.name, self.specs, self.role, task, action, final=VERIFIER.name,
+            observation_chars=self.observation_chars,
+        )  # fmt: skip
 
     # --------------------------------------------------------------------------------------------------- run
     def run(
