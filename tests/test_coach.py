@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import get_args
 
 import pytest
+from fakes import coach_context as ctx  # the Code Executor's context; kw replace fields
 from pydantic import ValidationError
 
 from mappa.coach import COACHES, build_coach, parse_score, training_score
@@ -26,25 +27,9 @@ from mappa.coach.rubric import rubric_score
 from mappa.coach.tokens import byte_count, token_counter
 from mappa.config import BUILTIN_COACHES, BUILTIN_WORKFLOWS, CoachConfig, WorkflowConfig
 from mappa.errors import MappaError
-from mappa.types import Action, CoachContext, CoachScore, Episode, ExecResult, Message, Task
+from mappa.types import Action, CoachScore, Episode, ExecResult, Message, Task
 
 GROUND_TRUTH = "SECRET-ANSWER-4242"
-
-
-def ctx(**kw) -> CoachContext:
-    base = dict(
-        task="What is 2 + 3?",
-        workflow="mathchat",
-        agent="code_executor",
-        role="You are the Code Executor. Write a ```python code block that computes the answer.",
-        is_final=False,
-        messages=(Message(role="system", content="role"), Message(role="user", content="Problem: 2 + 3")),
-        output="```python\nprint(2 + 3)\n```",
-        exec_result=ExecResult(ok=True, exit_code=0, stdout="5\n"),
-        observation="5",
-    )
-    base.update(kw)
-    return CoachContext(**base)
 
 
 NO_TOOL = dict(exec_result=None, observation="")

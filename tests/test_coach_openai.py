@@ -18,12 +18,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from fakes import coach_context
 
 from mappa.coach import build_coach
 from mappa.coach.openai_backend import OpenAICoach, retry_after_s
 from mappa.config import CoachConfig
 from mappa.errors import MappaError
-from mappa.types import CoachContext, ExecResult, Message
+from mappa.types import CoachContext, Message
 
 
 def reply(
@@ -126,19 +127,13 @@ def status(code: int, headers: dict[str, str] | None = None, message: str = "boo
 
 
 def ctx(case: str, **kw) -> CoachContext:
+    """The Code Executor's context; `case` (in the task) tells the fake endpoint how to answer."""
     base = dict(
         task=f"CASE={case} What is 2 + 3?",
-        workflow="mathchat",
-        agent="code_executor",
         role="Code Executor",
-        is_final=False,
         messages=(Message(role="user", content="Problem: 2 + 3"),),
-        output="```python\nprint(2 + 3)\n```",
-        exec_result=ExecResult(ok=True, exit_code=0, stdout="5\n"),
-        observation="5",
     )
-    base.update(kw)
-    return CoachContext(**base)
+    return coach_context(**{**base, **kw})
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from fakes import Reply, ScriptedPolicy
 
 from mappa.coach.caps import score_cap
 from mappa.coach.prompts import DS_PIPELINE, build_messages
@@ -22,8 +23,6 @@ from mappa.coach.rubric import rubric_score
 from mappa.config import GenerationConfig, SandboxConfig, WorkflowConfig, load_config
 from mappa.errors import MappaError
 from mappa.metrics import episode_metrics
-from mappa.models import tiny_tokenizer
-from mappa.policy import Generation
 from mappa.protocols import Runtime
 from mappa.rollout import pick_tasks
 from mappa.sandbox import Sandbox, remove_workspace
@@ -33,7 +32,6 @@ from mappa.types import CoachContext, CoachScore, Episode, Message, Task, read_j
 from mappa.workflows import WORKFLOWS, DsPipeline
 
 ROOT = Path(__file__).resolve().parents[1]
-Reply = Callable[[str, Sequence[Message]], str]
 
 
 # ------------------------------------------------------------------------------------------------ a tiny benchmark
@@ -109,29 +107,6 @@ def sandbox():
 
 
 # ------------------------------------------------------------------------------------------------ a scripted team
-class ScriptedPolicy:
-    """Same `chat_ids`/`generate` surface as mappa.policy.Policy; replies come from a script, not a model."""
-
-    def __init__(self, reply: Reply) -> None:
-        self.tokenizer = tiny_tokenizer()
-        self.reply = reply
-
-    def chat_ids(self, messages: Sequence[Message]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False
-        )
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def generate(self, agent, conversations, **kw) -> list[Generation]:  # type: ignore[no-untyped-def]
-        out = []
-        for conv in conversations:
-            ids = self.tokenizer(self.reply(agent, conv), add_special_tokens=False)["input_ids"]
-            ids = [*ids, self.tokenizer.eos_token_id]
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            out.append(Generation(tuple(self.chat_ids(conv)), tuple(ids), tuple(-0.5 for _ in ids), text, False))
-        return out
-
-
 def fenced(code: str, note: str = "") -> str:
     return f"{note}\n```python\n{code}\n```"
 

@@ -122,7 +122,7 @@ def test_eval_accuracy_is_the_mean_of_the_written_correct_flags(tmp_path: Path) 
     exactly those verdicts, and `eval/accuracy` is their mean."""
     import re
 
-    from test_workflows import ScriptedPolicy
+    from fakes import ScriptedPolicy
 
     from mappa.config import SandboxConfig
     from mappa.evaluate import evaluate, write_eval

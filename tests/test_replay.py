@@ -9,8 +9,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from fakes import ScriptedPolicy
 from test_coach_openai import FaultServer, reply
-from test_workflows import ScriptedPolicy, py
+from test_workflows import py
 
 from mappa.coach import build_coach
 from mappa.coach.replay import episode_contexts

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from fakes import Miswired
 from test_policy import AGENTS, convs, make_policy, perturb
-from test_selftest import Miswired
 
 from mappa.config import Config
 from mappa.decoding import Generation, scaled_logits

@@ -10,13 +10,14 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
+from fakes import Miswired
 from test_coach_openai import FaultServer, reply
 from test_policy import AGENTS, make_policy
 
 from mappa.coach import build_coach
 from mappa.config import CoachConfig, SandboxConfig
 from mappa.errors import MappaError
-from mappa.policy import Generation, Policy
+from mappa.policy import Generation
 from mappa.sandbox import Sandbox
 from mappa.selftest import check_agents, check_coach, check_sandbox
 
@@ -27,17 +28,6 @@ def one_line(info: pytest.ExceptionInfo[MappaError]) -> str:
     text = str(info.value)
     assert "\n" not in text and text.startswith("self-test: ")
     return text
-
-
-class Miswired:
-    """A real Policy behind one wiring bug, as a policy implementation could have it: everything is the real
-    policy's except the overridden method."""
-
-    def __init__(self, inner: Policy) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str):  # noqa: ANN204 - the real policy's attribute
-        return getattr(self.inner, name)
 
 
 class NoWeights(Miswired):

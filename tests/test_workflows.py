@@ -3,63 +3,18 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from fakes import Reply, ScriptedPolicy
 
 from mappa.config import GenerationConfig, SandboxConfig, WorkflowConfig, load_config
 from mappa.errors import MappaError
-from mappa.models import tiny_tokenizer
-from mappa.policy import Generation
 from mappa.protocols import Runtime
 from mappa.sandbox import Sandbox
 from mappa.types import CoachContext, CoachScore, Episode, ExecResult, Message, Task
 from mappa.workflows import WORKFLOWS, MathChat, build_workflow, feedback_note
-
-Reply = Callable[[str, Sequence[Message]], str]
-
-
-class ScriptedPolicy:
-    """Same `chat_ids`/`generate` surface as mappa.policy.Policy; replies come from a script, not a model."""
-
-    def __init__(self, reply: Reply) -> None:
-        self.tokenizer = tiny_tokenizer()
-        self.reply = reply
-        self.calls: list[tuple[str | None, int]] = []  # (agent, conversations) per generate call
-        self.seeds: list[int | None] = []  # the sampling seed of each generate call
-
-    def chat_ids(self, messages: Sequence[Message]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False
-        )
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def generate(
-        self,
-        agent: str | None,
-        conversations: Sequence[Sequence[Message]],
-        *,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_new_tokens: int = 256,
-        max_context_tokens: int | None = None,
-        top_logprobs: int = 0,
-        seed: int | None = None,
-        batch_size: int | None = None,
-    ) -> list[Generation]:
-        self.calls.append((agent, len(conversations)))
-        self.seeds.append(seed)
-        out = []
-        for conv in conversations:
-            prompt = self.chat_ids(conv)
-            assert max_context_tokens is None or len(prompt) <= max_context_tokens  # the engine must fit prompts
-            ids = self.tokenizer(self.reply(agent, conv), add_special_tokens=False)["input_ids"]
-            truncated = len(ids) > max_new_tokens
-            ids = ids[:max_new_tokens] if truncated else [*ids, self.tokenizer.eos_token_id]
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            out.append(Generation(tuple(prompt), tuple(ids), tuple(-0.5 for _ in ids), text, truncated))
-        return out
 
 
 class RecordingSandbox(Sandbox):
