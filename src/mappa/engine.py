@@ -11,10 +11,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from mappa.checkpoint import restore_run, save_checkpoint
 from mappa.config import Config
+from mappa.evaluate import evaluate
+from mappa.generation import adapter_root, step_sync
 from mappa.protocols import Engine, ProgressFn, StatusFn, Workflow
 from mappa.rollout import build_kit
 from mappa.types import Episode, Task
+from mappa.update import apply_update, build_optimizer
 
 # place(cfg, run_dir, agents, groups) -> the engine of a run placed elsewhere (`mappa.distributed.placement`)
 Place = Callable[[Config, Path, Sequence[str], dict[str, list[str]]], Engine]
@@ -28,8 +32,6 @@ class LocalEngine:
     def __init__(
         self, cfg: Config, run_dir: Path, workflow: Workflow, groups: dict[str, list[str]], coach: Any = None
     ) -> None:
-        from mappa.update import build_optimizer
-
         self.cfg, self.run_dir, self.workflow = cfg, Path(run_dir), workflow
         self.kit = build_kit(
             cfg, workflow.agents, workflow=workflow.name, coach_plugin=coach, generator=True, run_dir=self.run_dir
@@ -46,8 +48,6 @@ class LocalEngine:
 
     def update(self, jobs: dict[str, Any], status: StatusFn | None = None) -> dict[str, dict[str, float]]:
         """One group after another."""
-        from mappa.update import apply_update
-
         done = {}
         for g, job in jobs.items():
             if job.actions and status is not None:
@@ -56,16 +56,12 @@ class LocalEngine:
         return done
 
     def step_sync(self, version: int, metrics: dict[str, float] | None = None) -> dict[str, float]:
-        from mappa.generation import adapter_root, step_sync
-
         root = adapter_root(self.cfg, self.run_dir)
         return step_sync(self.kit.generator, self.kit.policy, root, version, metrics)
 
     def evaluate(
         self, tasks: Sequence[Task], progress: ProgressFn | None = None
     ) -> tuple[dict[str, float], list[Episode]]:
-        from mappa.evaluate import evaluate
-
         return evaluate(self.cfg, self.kit.generator, self.kit.sandbox, tasks, progress=progress)
 
     def self_test(self) -> list[str]:
@@ -75,15 +71,11 @@ class LocalEngine:
         return self.kit.coach.stats()
 
     def save_checkpoint(self, run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-        from mappa.checkpoint import save_checkpoint
-
         return save_checkpoint(
             run_dir, step, policy=self.kit.policy, optimizers=self.optimizers, state=state, keep=keep
         )
 
     def restore_checkpoint(self, run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
-        from mappa.checkpoint import restore_run
-
         return restore_run(run_dir, policy=self.kit.policy, optimizers=self.optimizers)
 
     def close(self) -> None:
