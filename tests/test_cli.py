@@ -174,11 +174,15 @@ def test_sandbox_run_exit_codes(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "mappa.cli", "sandbox", "run", str(sleeper), "--pool", "--timeout", "90"]
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
 
+    def is_server(p: psutil.Process) -> bool:
+        try:
+            return p.name() not in ("bwrap", "unshare") and "serve" in p.cmdline() and bool(p.children())
+        except psutil.Error:  # a short-lived process of the start-up (a probe, a relay) gone meanwhile
+            return False
+
     def pool_server() -> psutil.Process | None:
-        """The warm pool's server once it has forked the snippet (its child)."""
-        procs = psutil.Process(child.pid).children(recursive=True)
-        servers = [p for p in procs if p.name() not in ("bwrap", "unshare") and "serve" in p.cmdline()]
-        running = [p for p in servers if p.children()]  # the snippet is a fork of the server
+        """The warm pool's server once it has forked the snippet (its child: the snippet is a fork of it)."""
+        running = [p for p in psutil.Process(child.pid).children(recursive=True) if is_server(p)]
         return running[0] if running else None
 
     try:
