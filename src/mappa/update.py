@@ -182,7 +182,11 @@ def update_group(
     batches = rl.minibatches(len(actions), t.mini_batch_size, t.epochs, seed)
     if settings.recompute_old_logprobs or dtype is not None:
         with precision.autocast(dtype):
-            old_logp = _old_logprobs(policy, actions, batches, settings)
+            if dtype is not None and sharding.rank_world()[1] == 1:  # bf16 moves with the layout (`_old_logprobs`)
+                old_logp = _old_logprobs(policy, actions, batches, settings)
+            else:  # float32, or sharded: every rank takes every row in the length-sorted micro-batches
+                old_logp = _logprobs(policy, actions[0].agent, prompts, responses, t.micro_batch_size, temp)[0]
+                old_logp = old_logp.float()
     else:
         rows = [torch.tensor(a.logprobs, dtype=torch.float32) for a in actions]
         old_logp = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(mask.device)
