@@ -100,7 +100,10 @@ def train(
     progress: ProgressFn | None = None,
     place: Callable[..., Any] | None = None,
 ) -> TrainResult:
-    """Train a team; returns the final evaluation and the held-out gain with its interval.
+    """Train a team; returns the final evaluation and the held-out gain with its interval, and how many actions
+    each agent (update group) trained on: `result.trained_nothing` is True when no agent trained on any action
+    (every one left out: cut off at the token cap, unscored, ...; the steps' metrics say why). The run is then
+    returned as any other, not raised; `mappa train` exits 3 on it.
 
     `workflow`: a built workflow (`mappa.protocols.Workflow`); `coach`: a coach instance, class, factory or a
     reward function ctx -> 0-10 | None (`mappa.coach.plugin`); `train_tasks` / `eval_tasks`: lists of Task. Each

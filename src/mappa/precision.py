@@ -7,7 +7,7 @@
 On a CPU with bfloat16 dot-product instructions (Intel AMX `amx_bf16`, or AVX-512 `avx512_bf16` as on AMD Zen 4)
 oneDNN runs bfloat16 matmuls several times faster than float32 ones at training shapes (hundreds of rows); on
 two cores of an AVX-512 BF16 CPU the update phase of a SmolLM2-135M-shaped model ran 1.6x as fast
-(bench/bench_step.py, docs/models.md). The weights stay float32 (master weights: AdamW updates them in
+(bench/bench_precision.py, docs/models.md). The weights stay float32 (master weights: AdamW updates them in
 float32); autocast runs the matmuls in bfloat16 and casts the frozen weights anew in every forward pass. Small
 matmuls gain nothing (the casts cost about what the product saves), so `auto` leaves models narrower than
 `MIN_HIDDEN` in float32, and decoding (a handful of rows per step: 0.66x in bfloat16) is never autocast. CUDA

@@ -17,7 +17,7 @@ An action leaves the training batch, counted by reason, when it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from mappa.errors import MappaError
@@ -91,3 +91,32 @@ def select_actions(
             kept.append(action)
             kept_scores.append(5.0 if score is None else score)
     return kept, kept_scores, dropped
+
+
+def untrained_groups(metrics: Mapping[str, float]) -> dict[str, dict[str, int]]:
+    """The update groups that trained on no action in one step's metrics (`agent/<g>/actions_trained` 0), each
+    with its actions left out by reason (`agent/<g>/dropped_<why>`): why a step moved none of its weights."""
+    out: dict[str, dict[str, int]] = {}
+    for key, value in metrics.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "agent" and parts[2] == "actions_trained" and value == 0:
+            group = parts[1]
+            out[group] = {why: int(metrics.get(f"agent/{group}/dropped_{why}", 0)) for why in DROP_REASONS}
+    return out
+
+
+def no_training_reason(dropped: Mapping[str, int], max_new_tokens: int | None = None) -> str:
+    """Why a group trained on no action, from its drop counts: "6 of 6 cut off at generation.max_new_tokens=128
+    (train.drop_truncated)", each reason with the setting that drops it, so the fix is named with the cause."""
+    total = sum(dropped.values())
+    if not total:
+        return "it played no action"
+    cap = f"generation.max_new_tokens={max_new_tokens}" if max_new_tokens is not None else "the token cap"
+    phrases = {
+        "truncated": f"cut off at {cap} (train.drop_truncated)",
+        "empty": "empty (no response tokens)",
+        "infra_error": "hit a sandbox infrastructure error",
+        "unscored": "unscored by the coach (coach.on_unscored: skip)",
+    }
+    ranked = sorted((why for why, n in dropped.items() if n), key=lambda why: -dropped[why])  # main cause first
+    return ", ".join(f"{dropped[why]} of {total} {phrases.get(why, why)}" for why in ranked)

@@ -286,6 +286,14 @@ class TrainResult:
     step: int
     final: dict[str, float]  # the final evaluation's metrics
     gain: Gain | None  # final eval vs the start eval (None when the start eval is missing)
+    actions_trained: dict[str, int] = field(default_factory=dict)  # per update group, over the steps this call ran
+    steps_run: int = 0  # training steps this call ran (0: a resume of a finished run)
+
+    @property
+    def trained_nothing(self) -> bool:
+        """Steps ran and no group trained on a single action in them: every weight is where it started, so the
+        run measured nothing (the CLI exits 3; the steps' metrics say why, `mappa.rewards.untrained_groups`)."""
+        return self.steps_run > 0 and not any(self.actions_trained.values())
 
 
 def train(
@@ -305,8 +313,13 @@ def train(
             atomic_write(run_dir / "config.yaml", dump_config(cfg))  # a kill here leaves the old one whole
         if run.step == 0:
             run_eval(run, "start")
+        trained: dict[str, int] = dict.fromkeys(run.groups, 0)
+        first = run.step
         while run.step < cfg.train.steps:
-            run.emit(Event("step", run.step + 1, metrics=train_step(run)))
+            metrics = train_step(run)
+            for g in run.groups:
+                trained[g] += int(metrics.get(f"agent/{g}/actions_trained", 0))
+            run.emit(Event("step", run.step, metrics=metrics))
             if cfg.train.eval_every and run.step % cfg.train.eval_every == 0 and run.step != cfg.train.steps:
                 run_eval(run, f"step-{run.step:06d}")
         final = run_eval(run, "final")
@@ -315,4 +328,4 @@ def train(
             run.tracker.log(gain_metrics(gain), run.step)
     finally:
         run.close()
-    return TrainResult(run_dir, run.step, final, gain)
+    return TrainResult(run_dir, run.step, final, gain, trained, run.step - first)

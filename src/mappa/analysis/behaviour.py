@@ -2,8 +2,8 @@
 
 From the episodes (per agent): actions per episode, tool-use rate, response tokens, truncation rate, unscored
 rate, code error and timeout rates. From metrics.jsonl: actions dropped from training by reason
-(`agent/<group>/dropped_<why>`) and the coach's accounting (`coach/*`, logged as running totals and turned
-into per-step amounts here).
+(`agent/<group>/dropped_<why>`), the steps in which an agent trained on no action and why, and the coach's
+accounting (`coach/*`, logged as running totals and turned into per-step amounts here).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mappa.analysis.runs import score_of, step_of
+from mappa.rewards import no_training_reason, untrained_groups
 from mappa.types import Action, Episode
 
 Series = dict[int, float]  # step -> value
@@ -78,6 +79,35 @@ def dropped(metrics: Sequence[dict[str, Any]]) -> dict[str, Series]:
                 group, why = k.split("/")[1], k.rsplit("dropped_", 1)[1]
                 out[f"{group}/{why}"][int(r["step"])] = float(v)
     return dict(out)
+
+
+def _step_ranges(steps: Sequence[int]) -> str:
+    """[1, 2, 3, 5] -> "steps 1-3, 5"."""
+    runs: list[list[int]] = []
+    for s in sorted(steps):
+        if runs and s == runs[-1][-1] + 1:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    text = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+    return f"step{'s' if len(steps) > 1 else ''} {text}"
+
+
+def untrained_lines(metrics: Sequence[dict[str, Any]], max_new_tokens: int | None = None) -> list[str]:
+    """One line per agent (update group) that trained on no action in some step, e.g. "verifier trained on no
+    action at steps 1-2: 6 of 6 cut off at generation.max_new_tokens=128 (train.drop_truncated)", the counts
+    summed over those steps: the learning curves of such a step show weights that never moved."""
+    steps: dict[str, list[int]] = defaultdict(list)
+    drops: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for r in training_rows(metrics):
+        for group, dropped in untrained_groups(r).items():
+            steps[group].append(int(r["step"]))
+            for why, n in dropped.items():
+                drops[group][why] += n
+    return [
+        f"{g} trained on no action at {_step_ranges(s)}: {no_training_reason(drops[g], max_new_tokens)}"
+        for g, s in steps.items()
+    ]
 
 
 def coach_per_step(metrics: Sequence[dict[str, Any]]) -> dict[str, Series]:

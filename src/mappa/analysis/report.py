@@ -1,9 +1,10 @@
 """`mappa report`: one self-contained HTML page per set of runs, rebuilt from the run directories' files.
 
-Sections (docs/analysis.md says how to read each): the alarms at the top; a comparison when there are several
-runs; then per run the learning curves, the coach's scores per agent and stratum with the bias monitor, the
-coach against the rule-based check, the reward-hacking alarm, blame, behaviour, and specialisation and
-forgetting (from `probe.jsonl`). Plots are inline SVG; the page loads nothing from anywhere.
+Sections (docs/analysis.md says how to read each): the alarms at the top, led by the steps in which an agent
+trained on no action; a comparison when there are several runs; then per run the learning curves, the coach's
+scores per agent and stratum with the bias monitor, the coach against the rule-based check, the reward-hacking
+alarm, blame, behaviour, and specialisation and forgetting (from `probe.jsonl`). Plots are inline SVG; the page
+loads nothing from anywhere.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mappa.analysis import sections
+from mappa.analysis.behaviour import untrained_lines
 from mappa.analysis.bias import StratumBias, bias_monitor
 from mappa.analysis.hacking import HackingCheck, hacking_checks
 from mappa.analysis.runs import RunData
@@ -45,6 +47,7 @@ class Report:
     parts: list[str] = field(default_factory=list)
     alarms: list[str] = field(default_factory=list)
     unjudged: list[str] = field(default_factory=list)  # checks with too little data to judge, one line each
+    untrained: list[str] = field(default_factory=list)  # per run and agent: the steps it trained on no action
     headlines: list[str] = field(default_factory=list)  # per run: the held-out gain and what it means
     figures: int = 0
 
@@ -60,6 +63,8 @@ class Report:
             f'<div class="ok">{none}</div>'
         )
         alarms += "".join(f'<p class="note">{html.escape(u)}</p>' for u in self.unjudged)
+        # first in the section: a step that trained nothing makes every curve below show unmoved weights
+        alarms = "".join(f'<div class="alarm">{html.escape(u)}</div>' for u in self.untrained) + alarms
         head = (
             f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{CSS}</style></head>'
@@ -99,6 +104,8 @@ def _run_sections(report: Report, run: RunData, th: AnalysisConfig, i: int, plot
     checks = hacking_checks(run.episodes, run.agents, th, list(run.evals.values()))
     report.alarms += _run_alarms(run, biases, checks)
     report.unjudged += _run_unjudged(run, biases, checks)
+    cap = (run.config.get("generation") or {}).get("max_new_tokens")
+    report.untrained += [f"{run.name}: {line}" for line in untrained_lines(run.metrics, cap)]
     headline = sections.headline(run)
     if headline:
         report.headlines.append(f"{run.name}: {headline}")

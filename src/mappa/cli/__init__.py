@@ -4,7 +4,8 @@ dsbench.
 The CLI layer is the edge: every command and all console output live in `mappa.cli.<command>`; domain
 modules return records and take an optional progress callback. This module only parses arguments and
 imports each command's module lazily, so that `mappa sandbox run` does not pay for importing torch.
-User errors (MappaError) print one line and exit 2; Ctrl-C exits 130.
+User errors (MappaError) print one line and exit 2; `mappa train` exits 3 when no agent trained on any action
+(a warning line says so); Ctrl-C exits 130.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """`mappa report RUN_DIR [RUN_DIR ...] [--out report.html] [--set analysis.k=v]`: the HTML report.
 
 Reads the run directories' files only (nothing reruns), writes one self-contained page (RUN_DIR/report.html
-for one run; report.html beside the runs for several), prints the checks that lack data, the alarms, what
-each run shows (its held-out gain) and, last, `report: PATH`.
+for one run; report.html beside the runs for several), prints the checks that lack data, the agents that trained
+on no action in some step and why, the alarms, what each run shows (its held-out gain) and, last, `report: PATH`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ def report_command(run_dirs: Sequence[str], out: str | None = None, overrides: S
             err.print(f"[dim]{escape(run.name)}: {escape(n)}[/]")
     for line in report.unjudged:
         err.print(f"[dim]{escape(line)}[/]")
+    for line in report.untrained:
+        err.print(f"[bold red]warning[/] {escape(line)}")
     for alarm in report.alarms:
         err.print(f"[bold red]alarm[/] {escape(alarm)}")
     if not report.alarms:

@@ -2,9 +2,11 @@
 
 During the run: one status line for what is under way, the self-test's lines, an evaluation table at the
 start, every `train.eval_every` steps and the end, and one line per step (train accuracy, each agent's mean
-coach score, loss / KL, optimizer steps, clip fraction, seconds). At the end, the held-out accuracy before and
-after with Wilson 95% intervals, and the gain with a 95% interval paired by task (Agresti-Min), so a gain can
-be told from noise. The first line names the sandbox's confinement.
+coach score, loss / KL, optimizer steps, clip fraction, seconds), and after it one line per agent that trained
+on no action in that step, with why (actions cut off at the token cap, unscored, ...). At the end, the held-out
+accuracy before and after with Wilson 95% intervals, and the gain with a 95% interval paired by task
+(Agresti-Min), so a gain can be told from noise. The first line names the sandbox's confinement. A run in
+which no agent trained on any action ends with a warning line and exit code 3.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from mappa.cli.evaluate import COLUMNS, print_eval
 from mappa.config import Config, load_config
 from mappa.errors import MappaError
 from mappa.metrics import Gain
+from mappa.rewards import no_training_reason, untrained_groups
 from mappa.trainer import Event, TrainResult
+
+NOTHING_TRAINED = 3  # the exit code of a run in which no agent trained on any action (docs/training.md)
 
 
 def _mean(metrics: dict[str, float], groups: list[str], key: str) -> float:
@@ -38,6 +43,7 @@ class Printer:
         self.console = console
         self.agents = build_workflow(cfg).agents
         self.groups = ["shared"] if cfg.model.agent_weights == "shared" else list(self.agents)
+        self.max_new_tokens = cfg.generation.max_new_tokens
         self.header_shown = False
         self.bar: Progress | None = None
         self.task: TaskID | None = None
@@ -78,6 +84,7 @@ class Printer:
             print_eval(self.console, f"eval {event.text} (step {event.step})", event.metrics, self.agents)
         elif event.kind == "step":
             self.step_line(event.step, event.metrics)
+            self.untrained_lines(event.step, event.metrics)
 
     def step_line(self, step: int, m: dict[str, float]) -> None:
         if not self.header_shown:
@@ -94,6 +101,27 @@ class Printer:
             f"{f'{clip:.1%}' if math.isfinite(clip) else '-':>5} {seconds:>4.0f}",
             highlight=False,
         )
+
+    def untrained_lines(self, step: int, m: dict[str, float]) -> None:
+        """One line per agent (update group) that trained on no action this step, with the reasons counted: the
+        step line's "-" and "opt 0" alone do not say that the settings, not the model, stopped the training."""
+        for group, dropped in untrained_groups(m).items():
+            why = no_training_reason(dropped, self.max_new_tokens)
+            self.console.print(
+                f"step {step}: {group} trained on no action: {why}",
+                style="yellow",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+
+
+def nothing_trained_line(result: TrainResult) -> str:
+    """The end-of-run warning of a run whose steps trained no agent on any action (exit code 3)."""
+    return (
+        f"WARNING: no agent trained on any action in {result.steps_run} step(s); the weights are the ones the run "
+        "started from (the step lines above say why). Exit code 3."
+    )
 
 
 def gain_lines(gain: Gain, tasks: int, final_step: int) -> list[str]:
@@ -152,4 +180,7 @@ def train_command(cfg: Config | None, resume: str | None, overrides: list[str], 
     finally:
         printer.stop_bar()
     _report(console, result)
+    if result.trained_nothing:  # a script that runs a config must notice a run that trained nothing
+        console.print(nothing_trained_line(result), style="bold red", highlight=False, soft_wrap=True)
+        return NOTHING_TRAINED
     return 0

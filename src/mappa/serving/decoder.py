@@ -19,8 +19,8 @@ from transformers.cache_utils import DynamicCache
 
 from mappa.decoding import DecodeRow, Generation, Sampling, prefill_padded, sample_step, seeded_generator
 from mappa.errors import MappaError
+from mappa.kvcache import BufferedLayer, pad_left, stitchable
 from mappa.policy import Policy
-from mappa.serving.kv import BufferedLayer, pad_left, stitchable
 from mappa.serving.prefix_cache import PrefixCache
 
 Blocks = list[list[tuple[torch.Tensor, torch.Tensor]]]  # per layer: blocks of rows, (keys (b, H, l, D), values)

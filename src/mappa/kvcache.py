@@ -1,5 +1,7 @@
 """A KV-cache layer with room reserved for the tokens still to come, and the helpers that pad rows into it.
 
+Used by `mappa.decoding` (a policy's batched generation) and by `mappa.serving` (continuous batching).
+
 This module subclasses transformers' `DynamicLayer` and replaces `DynamicCache.layers`, which are not
 a stable public API: it is written against transformers==5.23.0 (the pin in requirements.lock), and
 tests/test_decoder.py checks the methods it relies on, so an upgrade that changes them fails there first.
@@ -30,6 +32,16 @@ class BufferedLayer(DynamicLayer):
         super().__init__()
         self.lazy_initialization(*blocks[0])
         self._fill(blocks, width, spare)
+
+    @classmethod
+    def over(cls, keys: torch.Tensor, values: torch.Tensor, filled: int) -> BufferedLayer:
+        """A layer over (B, H, width, D) buffers whose first `filled` columns hold the cache; the rest is room."""
+        layer = cls.__new__(cls)
+        DynamicLayer.__init__(layer)
+        layer.lazy_initialization(keys, values)
+        layer._k, layer._v, layer._n = keys, values, filled
+        layer.keys, layer.values = keys[:, :, :filled], values[:, :, :filled]
+        return layer
 
     def _fill(self, blocks: list[tuple[torch.Tensor, torch.Tensor]], width: int, spare: int) -> None:
         k0, v0 = blocks[0]
