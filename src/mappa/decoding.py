@@ -298,13 +298,15 @@ def prefill(module: torch.nn.Module, prompts: list[list[int]], pad_id: int, spar
             ids[r, t - own[i] :] = torch.tensor(prompts[i][P:], dtype=torch.long)
             mask[r, P + t - own[i] :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, P:]
-        cache = DynamicCache(ddp_cache_data=[(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)) for k, v in prefix])
-        padded = bool((mask == 0).any())
+        # each row of the group reads the one prefix KV (expanded, not copied); no prefix and no padding: no mask,
+        # which keeps attention on the fused causal kernel
+        past = DynamicCache(ddp_cache_data=[(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)) for k, v in prefix])
+        needs_mask = bool(P) or bool((mask == 0).any())
         out = module(
             input_ids=ids,
-            attention_mask=mask if padded or P else None,
+            attention_mask=mask if needs_mask else None,
             position_ids=positions,
-            past_key_values=cache if P else None,
+            past_key_values=past if P else None,
             use_cache=True,
             logits_to_keep=1,
         )
