@@ -26,7 +26,7 @@ TRAINING_PATH = ["mappa.trainer", "mappa.policy", "mappa.rl", "mappa.rollout", "
 LAYERS: dict[str, list[str]] = {
     "base": [
         "mappa.errors", "mappa.types", "mappa.paths", "mappa.protocols", "mappa.plugins", "mappa.config",
-        "mappa.rl", "mappa.metrics", "mappa.rewards", "mappa.precision",
+        "mappa.config_rollout", "mappa.config_training", "mappa.rl", "mappa.metrics", "mappa.rewards", "mappa.precision",
     ],
     # one layer: tasks.dsbench and tasks.tabular run reference solutions in the sandbox, while
     # sandbox.codeblocks reads answers with tasks.answers

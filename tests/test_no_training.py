@@ -94,7 +94,7 @@ def test_a_run_that_drops_every_action_warns_and_exits_3(tmp_path: Path, capsys:
     run = load_run(run_dir)
     page = build_report([run], [run.thresholds()]).html()
     for g in groups:
-        assert f"{run.name}: {g} trained on no action at steps 1-2: " in page
+        assert f'<div class="warn">warning: {run.name}: {g} trained on no action at steps 1-2: ' in page
 
 
 def test_a_run_that_trains_exits_0_without_the_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -131,6 +131,17 @@ def test_workspace_persists_across_calls_and_holds_task_files(run):
     assert not ws.exists()
 
 
+def test_a_workspace_module_named_like_the_runners_package_imports_as_itself(run, ws):
+    # The runner's own modules live in a package `inside` next to it; a snippet must not be handed those.
+    (ws / "inside.py").write_text("WHO = 'the agent'\n")
+    os.chmod(ws / "inside.py", 0o644)
+    r = run(
+        "import inside, sys\nprint(inside.WHO)\nprint(sorted(m for m in sys.modules if m.startswith('inside.')))", ws
+    )
+    assert r.ok, r.stderr
+    assert r.stdout == "the agent\n[]\n"
+
+
 def test_snippet_errors_are_not_infra_errors(run, ws):
     r = run("def f(:\n  pass", ws)
     assert r.exit_code == 1 and "SyntaxError" in r.stderr and r.infra_error is None

@@ -32,6 +32,7 @@ th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: right; vertical-a
 th { background: #f2f2f2; } td.l, th.l { text-align: left; }
 figure.plot { margin: 8px 0; } figure.plot svg { width: 100%; height: auto; max-width: 1000px; display: block; }
 .alarm { background: #fdecea; border-left: 4px solid #c0392b; padding: 6px 10px; margin: 6px 0; }
+.warn { background: #fff6e0; border-left: 4px solid #d68910; padding: 6px 10px; margin: 6px 0; }
 .ok { background: #eaf6ec; border-left: 4px solid #2e8b57; padding: 6px 10px; margin: 6px 0; }
 .note { color: #666; font-size: 12.5px; } code { background: #f3f3f3; padding: 0 3px; }
 div.ev { text-align: left; max-width: 520px; font-size: 12px; color: #444; }
@@ -63,8 +64,9 @@ class Report:
             f'<div class="ok">{none}</div>'
         )
         alarms += "".join(f'<p class="note">{html.escape(u)}</p>' for u in self.unjudged)
-        # first in the section: a step that trained nothing makes every curve below show unmoved weights
-        alarms = "".join(f'<div class="alarm">{html.escape(u)}</div>' for u in self.untrained) + alarms
+        # A warning, not an alarm: a step that trained nothing is a fact about the run (every curve below shows
+        # unmoved weights there), not a judgement of the coach that could be a false alarm.
+        alarms += "".join(f'<div class="warn">warning: {html.escape(u)}</div>' for u in self.untrained)
         head = (
             f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{CSS}</style></head>'

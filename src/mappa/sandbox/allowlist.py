@@ -4,8 +4,8 @@ The root is a list of mount steps that bubblewrap carries out from its options (
 fallback's runner carries out itself (runner.py `--root`): the system's /usr (with the /bin, /lib* links), a
 minimal /etc, a few device nodes, /proc, an empty read-only /tmp, a size-limited /dev/shm, the agent
 environment at `AGENT_ROOT` with its base installation (whose own site-packages, like every other one on the
-machine, is covered by an empty directory, as are the tables that packages bundle), the runner, and the
-writable workspaces. Nothing else of the host: not the trainer's checkout, data, run directories or sys.path.
+machine, is covered by an empty directory, as are the tables that packages bundle), the runner and its package, and
+the writable workspaces. Nothing else of the host: not the trainer's checkout, data, run directories or sys.path.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from mappa.errors import MappaError
 
 RUNNER = Path(__file__).with_name("runner.py")
 RUNNER_INSIDE = "/run/mappa/runner.py"  # where the runner is bound (the package around it stays outside)
+# The runner's steps (standard library only), bound beside it: its folder is first on its sys.path.
+RUNNER_PACKAGE = RUNNER.with_name("inside")
+RUNNER_PACKAGE_INSIDE = "/run/mappa/inside"
 AGENT_ENV_DIR = ".venv-agents"  # made by `make` from requirements-agents.lock
 AGENT_PYTHON_VAR = "MAPPA_AGENT_PYTHON"
 # The minimum of /etc that Python and its native libraries read; nothing with secrets (no shadow, no ssl keys).
@@ -180,6 +183,7 @@ def root_plan(env: AgentEnv, writable: list[Path], shm_mb: int) -> list[Op]:
         if _under(inside, plan.trees):  # only what is in the root at all needs covering
             plan.add("tmpfs", inside, 1, "0755")
     plan.add("ro", RUNNER_INSIDE, str(RUNNER))
+    plan.add("ro", RUNNER_PACKAGE_INSIDE, str(RUNNER_PACKAGE))
     for w in writable:
         plan.add("rw", str(w), str(w))
     plan.add("remount_ro", "/tmp")

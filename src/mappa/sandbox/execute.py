@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mappa.sandbox.confine import Confinement, kill_uid, user_process_count
-from mappa.sandbox.runner import RUNNER_FAILED, RUNNER_TAG
+from mappa.sandbox.inside.snippet import RUNNER_FAILED, RUNNER_TAG
 from mappa.sandbox.workspace import diff_snapshots, prepare_workspace, snapshot
 from mappa.types import ExecResult
 
