@@ -195,3 +195,31 @@ def test_process_vs_outcome_bench_on_a_tiny_model(tmp_path: Path, capsys: pytest
     assert (tmp_path / "summary.json").is_file() and (tmp_path / "outcome-seed42" / "eval" / "final.jsonl").is_file()
     again = bench.main([*args, *(x for o in tiny for x in ("--set", o))])  # finished runs are reused
     assert again == summary and capsys.readouterr().out.count("reused") == 3
+
+
+def test_batched_kl_equals_each_reply_scored_alone() -> None:
+    """Replies of different lengths scored together (padding, one forward per weights) give the KL each
+    reply gives alone, summed over tokens."""
+    from mappa.analysis.probe import kl_to_base, vocab_logprobs
+    from mappa.config import ModelConfig
+    from mappa.policy import Policy
+    from mappa.types import Message
+
+    policy = Policy.from_config(ModelConfig(name="tiny-random", lora_r=4, lora_alpha=8), ["a"], seed=0)
+    with torch.no_grad():
+        for p in policy.trainable_parameters("a"):
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    prompts = [[Message(role="user", content="hi " * k)] for k in (1, 5, 9, 2, 7)]
+    kl, n = kl_to_base(policy, "a", prompts, max_new_tokens=6, seed=3, batch=3)
+    gens = policy.generate("a", prompts, temperature=1.0, top_p=1.0, max_new_tokens=6, max_context_tokens=None, seed=3)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for g in (g for g in gens if g.response_ids):
+            with policy.active("a") as module:
+                own, _ = vocab_logprobs(module, [g.prompt_ids], [g.response_ids], policy.pad_id)
+            with policy.active(None) as module:
+                base, _ = vocab_logprobs(module, [g.prompt_ids], [g.response_ids], policy.pad_id)
+            total += float((own.exp() * (own - base)).sum())
+            count += len(g.response_ids)
+    assert n == count and len({len(g.prompt_ids) for g in gens}) > 1
+    assert kl > 1e-3 and kl == pytest.approx(total / count, rel=1e-4)

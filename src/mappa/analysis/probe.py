@@ -24,7 +24,8 @@ seed and token cap), and at every sampled position the KL between the agent's an
 distributions is computed exactly over the full vocabulary; the value is the sum over positions divided by the
 number of tokens. Sampling from the agent makes the sum an unbiased estimate of the sequence-level KL(agent ||
 base) of the agent's replies (the exact inner sum removes the variance of a sampled log-ratio), so it is the
-divergence of what the agent actually says, not of what the base would have said. For the base itself it is 0.
+divergence of what the agent actually says, not of what the base would have said. For the base itself it is 0
+by definition (written, not computed; its n counts the role's reference reply tokens).
 
 Reading them: an agent that specialised has a `kl_base` above 0 and a `role_nll` that moved most on its own role;
 one that forgot has a `general_nll` (and the other roles' `role_nll`) well above the base's.
@@ -158,34 +159,47 @@ def mean_nll(
     return (float(-(logp * mask).sum()) / n if n else float("nan")), n
 
 
-def _vocab_logprobs(module: torch.nn.Module, prompt: Sequence[int], reply: Sequence[int]) -> torch.Tensor:
-    """(T, V) log-probabilities over the whole vocabulary at each reply position (one unpadded sequence)."""
+def vocab_logprobs(
+    module: torch.nn.Module, prompts: Sequence[Sequence[int]], replies: Sequence[Sequence[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T, V) log-probabilities over the whole vocabulary at each reply position, for replies laid out as the
+    training forward lays them out (`mappa.decoding.response_layout`), and the (B, T) mask of real reply tokens."""
     import torch
 
+    from mappa.decoding import response_layout
+
     device = next(module.parameters()).device
-    ids = torch.tensor([[*prompt, *reply]], dtype=torch.long, device=device)
-    logits = module(input_ids=ids, logits_to_keep=len(reply) + 1).logits[0, :-1]  # position t predicts token t+1
-    return torch.log_softmax(logits.float(), dim=-1)
+    ids, attn, positions, mask = response_layout(prompts, replies, pad_id, device)
+    T = mask.shape[1]
+    logits = module(input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=T + 1).logits
+    return torch.log_softmax(logits[:, :-1].float(), dim=-1), mask  # position t predicts token t+1
 
 
 def kl_to_base(
-    policy: Any, agent: str | None, prompts: Sequence[Sequence[Message]], max_new_tokens: int, seed: int
+    policy: Any, agent: str, prompts: Sequence[Sequence[Message]], max_new_tokens: int, seed: int, batch: int = 8
 ) -> tuple[float, int]:
-    """Mean per-token KL(agent || base) on replies sampled from `agent` (the estimator in the module docstring)."""
+    """Mean per-token KL(agent || base) on replies sampled from `agent` (the estimator in the module docstring).
+
+    The replies are scored `batch` at a time, similar lengths together: one forward per batch with the agent's
+    weights and one with the base's, not two per reply."""
+    import torch
+
     gens = policy.generate(
         agent, prompts, temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens, max_context_tokens=None, seed=seed
     )
-    import torch
-
+    gens = sorted((g for g in gens if g.response_ids), key=lambda g: len(g.prompt_ids) + len(g.response_ids))
     total, n = 0.0, 0
-    for g in (g for g in gens if g.response_ids):
+    for start in range(0, len(gens), batch):
+        chunk = gens[start : start + batch]
+        prompt_ids, reply_ids = [g.prompt_ids for g in chunk], [g.response_ids for g in chunk]
         with torch.no_grad():
             with policy.active(agent) as module:
-                own = _vocab_logprobs(module, g.prompt_ids, g.response_ids)
+                own, mask = vocab_logprobs(module, prompt_ids, reply_ids, policy.pad_id)
             with policy.active(None) as module:
-                base = _vocab_logprobs(module, g.prompt_ids, g.response_ids)
-        total += float((own.exp() * (own - base)).sum())
-        n += len(g.response_ids)
+                base, _ = vocab_logprobs(module, prompt_ids, reply_ids, policy.pad_id)
+        per_position = (own.exp() * (own - base)).sum(-1)
+        total += float(per_position[mask].sum())
+        n += int(mask.sum())
     return (total / n if n else float("nan")), n
 
 
@@ -225,10 +239,12 @@ def probe_weights(
             out.append(ProbeRow(step, checkpoint, name, probe, role, value, n))
         tick()
 
-    own = [agent] if agent is not None else list(sets.roles)  # the base is measured on every role
-    for role in own:
-        convs = [list(a.messages) for a in sets.roles[role]]
-        add("kl_base", role, kl_to_base(policy, agent, convs, cfg.generation.max_new_tokens, cfg.seed))
+    if agent is None:  # the base's KL to itself is 0 by definition; n: its reference reply tokens on each role
+        for role, actions in sets.roles.items():
+            add("kl_base", role, (0.0, sum(len(a.response_ids) for a in actions)))
+    else:
+        convs = [list(a.messages) for a in sets.roles[agent]]
+        add("kl_base", agent, kl_to_base(policy, agent, convs, cfg.generation.max_new_tokens, cfg.seed))
     add(
         "general_nll",
         None,
