@@ -54,6 +54,14 @@ def finished(run_dir: Path) -> bool:
     return any(json.loads(x).get("tag") == "final" for x in summary.read_text().splitlines() if x.strip())
 
 
+def answered_rates(run_dir: Path) -> tuple[float, float]:
+    """The share of held-out episodes with a final answer (right or wrong) at the first and the last evaluation."""
+    rows = [json.loads(x) for x in (run_dir / "eval" / "summary.jsonl").read_text().splitlines() if x.strip()]
+    start = next(r for r in rows if r["tag"] == "start")
+    final = next(r for r in reversed(rows) if r["tag"] == "final")
+    return start.get("eval/answered_rate", float("nan")), final.get("eval/answered_rate", float("nan"))
+
+
 def run_one(config: str, run_dir: Path, seed: int, overrides: list[str]) -> float:
     """Train one seed of one cell (reused when finished); the wall time in seconds (0 when reused)."""
     if finished(run_dir):
@@ -105,6 +113,9 @@ def main() -> None:
         print(f"{name} ({', '.join(overrides) or 'the config as is'}; {wall})")
         print(f"  over seeds: {over_seeds_text(g)}; per seed {per_seed}")
         print(f"  per task:   {per_task_text(g)}")
+        answered = [answered_rates(out / name / f"seed-{seed}") for seed in a.seeds]
+        print("  answered (a final answer given, right or wrong), start -> final per seed: "
+              + ", ".join(f"{x:.0%} -> {y:.0%}" for x, y in answered))  # fmt: skip
 
 
 if __name__ == "__main__":

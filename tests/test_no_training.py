@@ -104,3 +104,15 @@ def test_a_run_that_trains_exits_0_without_the_warning(tmp_path: Path, capsys: p
     run = load_run(run_dir)
     report = build_report([run], [run.thresholds()])
     assert report.untrained == [] and "trained on no action" not in report.html()
+
+
+def test_a_resume_counts_what_the_run_trained_before_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Two steps that train, then a resume whose one more step trains nothing: the run as a whole trained.
+    code, err, run_dir = run_cli(tmp_path, capsys, "train.checkpoint_every=1")
+    assert code == 0, err
+    more = ["--set", "train.steps=3", "--set", "generation.max_new_tokens=1", "--set", "train.drop_truncated=true"]
+    code = main(["train", "--resume", str(run_dir), *more])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert any(x.startswith("step 3: ") and "trained on no action" in x for x in err.splitlines()), err
+    assert "WARNING: no agent trained" not in err

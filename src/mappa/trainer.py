@@ -62,7 +62,7 @@ from mappa.plugins import check_instance, qualified_name
 from mappa.protocols import Engine, ProgressFn, Workflow
 from mappa.rewards import RewardMode, per_action_scores, reward_mode, select_actions
 from mappa.rollout import pick_tasks, train_tasks
-from mappa.tracking import Tracker, append_episodes
+from mappa.tracking import Tracker, append_episodes, read_metrics
 from mappa.types import Episode, Task
 from mappa.update import UpdateJob, UpdateSettings, config_groups
 
@@ -286,14 +286,25 @@ class TrainResult:
     step: int
     final: dict[str, float]  # the final evaluation's metrics
     gain: Gain | None  # final eval vs the start eval (None when the start eval is missing)
-    actions_trained: dict[str, int] = field(default_factory=dict)  # per update group, over the steps this call ran
+    actions_trained: dict[str, int] = field(default_factory=dict)  # per update group, over all the run's steps
     steps_run: int = 0  # training steps this call ran (0: a resume of a finished run)
 
     @property
     def trained_nothing(self) -> bool:
-        """Steps ran and no group trained on a single action in them: every weight is where it started, so the
-        run measured nothing (the CLI exits 3; the steps' metrics say why, `mappa.rewards.untrained_groups`)."""
+        """Steps ran and no group trained on a single action in any step of the run (a resume counts the steps
+        before it): every weight is where it started, so the run measured nothing (the CLI exits 3; the steps'
+        metrics say why, `mappa.rewards.untrained_groups`)."""
         return self.steps_run > 0 and not any(self.actions_trained.values())
+
+
+def trained_before(run_dir: Path, groups: Sequence[str]) -> dict[str, int]:
+    """The actions each group trained on in the steps metrics.jsonl holds: on a resume, those up to its
+    checkpoint (the resume cut the file back there, `Tracker`)."""
+    out = dict.fromkeys(groups, 0)
+    for row in read_metrics(run_dir):
+        for g in groups:
+            out[g] += int(row.get(f"agent/{g}/actions_trained", 0))
+    return out
 
 
 def train(
@@ -313,7 +324,7 @@ def train(
             atomic_write(run_dir / "config.yaml", dump_config(cfg))  # a kill here leaves the old one whole
         if run.step == 0:
             run_eval(run, "start")
-        trained: dict[str, int] = dict.fromkeys(run.groups, 0)
+        trained = trained_before(run_dir, run.groups) if run.step else dict.fromkeys(run.groups, 0)
         first = run.step
         while run.step < cfg.train.steps:
             metrics = train_step(run)

@@ -119,7 +119,7 @@ class Printer:
 def nothing_trained_line(result: TrainResult) -> str:
     """The end-of-run warning of a run whose steps trained no agent on any action (exit code 3)."""
     return (
-        f"WARNING: no agent trained on any action in {result.steps_run} step(s); the weights are the ones the run "
+        f"WARNING: no agent trained on any action in {result.step} step(s); the weights are the ones the run "
         "started from (the step lines above say why). Exit code 3."
     )
 
