@@ -178,7 +178,8 @@ def test_the_demo_shaped_report_opens_with_the_gain(tmp_path: Path) -> None:
     assert not report.alarms and len(report.unjudged) == 2
     assert report.headlines == [
         "demo: held-out accuracy 3.1% (start) -> 12.5% (final, 32 episodes); gain +9.4 pp, 95% CI [-2.3, +20.0] pp "
-        "(paired by task): within noise: the interval includes 0, so this run cannot tell the gain apart from chance"
+        "(paired by task): within noise: the interval includes 0, so this run cannot tell the gain apart from chance. "
+        "Episodes ending with a final answer, right or wrong: 100% -> 100% (+0.0 pp [-5.8, +5.8])"
     ]
     page = report.html()
     assert page.index('data-section="summary"') < page.index('data-section="alarms"') < page.index('class="note"')

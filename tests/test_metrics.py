@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from mappa.metrics import accuracy_gain, episode_metrics, sources, wilson_interval
+from mappa.metrics import accuracy_gain, answered, episode_metrics, sources, wilson_interval
 from mappa.types import Action, CoachScore, Episode, ExecResult, Task
 
 
@@ -104,3 +104,19 @@ def test_no_change_is_within_noise() -> None:
     assert g.gain == 0 and g.gain_ci[0] < 0 < g.gain_ci[1] and not g.significant
     small = accuracy_gain(episodes([False] * 16), episodes([True] * 2 + [False] * 14))  # +12.5 pp on 16 tasks
     assert not small.significant
+
+
+def test_the_answered_share_is_paired_like_accuracy() -> None:
+    # 8 tasks: 2 answered before (1 right), 7 answered after (1 right): accuracy flat, the format moved.
+    def run(answers: list[str | None]) -> list[Episode]:
+        return [
+            Episode(id=str(i), workflow="w", task=task(i), final_answer=a, correct=a == "1")
+            for i, a in enumerate(answers)
+        ]
+
+    before = run(["1", "7", None, None, None, None, None, None])
+    after = run(["1", "7", "3", "4", "5", "6", "8", None])
+    assert accuracy_gain(before, after).gain == 0
+    g = accuracy_gain(before, after, answered)
+    assert g.paired and (g.improved, g.worsened) == (5, 0)
+    assert (g.before, g.after) == (pytest.approx(0.25), pytest.approx(0.875)) and g.significant

@@ -101,6 +101,8 @@ def test_a_run_that_trains_exits_0_without_the_warning(tmp_path: Path, capsys: p
     code, err, run_dir = run_cli(tmp_path, capsys)
     assert code == 0, err
     assert "trained on no action" not in err and "WARNING: no agent trained" not in err
+    assert "held-out episodes ending with a final answer (right or wrong): " in err  # before the accuracy lines
+    assert err.index("ending with a final answer") < err.index("held-out accuracy") < err.index("gain ")
     run = load_run(run_dir)
     report = build_report([run], [run.thresholds()])
     assert report.untrained == [] and "trained on no action" not in report.html()

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mappa.config import Config
 from mappa.errors import MappaError
-from mappa.metrics import Gain, accuracy_gain, episode_metrics
+from mappa.metrics import Gain, accuracy_gain, correct, episode_metrics
 from mappa.paths import atomic_write
 from mappa.protocols import PolicyLike, ProgressFn, Runtime, SandboxLike
 from mappa.types import Episode, Task, read_jsonl
@@ -73,12 +73,15 @@ def write_eval(out_dir: str | Path, tag: str, metrics: dict[str, float], episode
         f.write(json.dumps({"tag": tag, **metrics}) + "\n")
 
 
-def eval_gain(eval_dir: str | Path, before: str = "start", after: str = "final") -> Gain | None:
-    """Accuracy of evaluation `after` minus `before` (their episode files in `eval_dir`); None if one is missing."""
+def eval_gain(
+    eval_dir: str | Path, before: str = "start", after: str = "final", hit: Callable[[Episode], bool] = correct
+) -> Gain | None:
+    """Accuracy of evaluation `after` minus `before` (their episode files in `eval_dir`), or the share of another
+    outcome (`hit`, e.g. `mappa.metrics.answered`); None if one is missing."""
     paths = [Path(eval_dir) / f"{tag}.jsonl" for tag in (before, after)]
     if not all(p.is_file() for p in paths):
         return None
-    return accuracy_gain(read_jsonl(paths[0], Episode), read_jsonl(paths[1], Episode))
+    return accuracy_gain(read_jsonl(paths[0], Episode), read_jsonl(paths[1], Episode), hit)
 
 
 def gain_metrics(gain: Gain) -> dict[str, float]:

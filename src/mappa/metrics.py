@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from mappa.types import Episode
@@ -192,8 +192,20 @@ def agresti_min_interval(improved: int, worsened: int, n: int, z: float = Z95) -
     return max(-1.0, up - down - half), min(1.0, up - down + half)
 
 
-def _pairs(before: Sequence[Episode], after: Sequence[Episode]) -> list[tuple[bool, bool]] | None:
-    """(before, after) correctness per episode, matched by task id and sample number; None if they differ."""
+def correct(episode: Episode) -> bool:
+    """The episode's final answer matched the reference."""
+    return bool(episode.correct)
+
+
+def answered(episode: Episode) -> bool:
+    """The episode ended with a final answer, right or wrong (the format the final agent is asked for)."""
+    return episode.final_answer is not None
+
+
+def _pairs(
+    before: Sequence[Episode], after: Sequence[Episode], hit: Callable[[Episode], bool]
+) -> list[tuple[bool, bool]] | None:
+    """(before, after) `hit` per episode, matched by task id and sample number; None if they differ."""
     if len(before) != len(after):
         return None
 
@@ -201,7 +213,7 @@ def _pairs(before: Sequence[Episode], after: Sequence[Episode]) -> list[tuple[bo
         seen: Counter[str] = Counter()
         out = {}
         for e in episodes:
-            out[(e.task.id, seen[e.task.id])] = bool(e.correct)
+            out[(e.task.id, seen[e.task.id])] = hit(e)
             seen[e.task.id] += 1
         return out
 
@@ -209,13 +221,16 @@ def _pairs(before: Sequence[Episode], after: Sequence[Episode]) -> list[tuple[bo
     return [(b[k], a[k]) for k in b] if b.keys() == a.keys() else None
 
 
-def accuracy_gain(before: Sequence[Episode], after: Sequence[Episode]) -> Gain:
-    """The change in accuracy from `before` to `after` (two evaluations), with Wilson and Newcombe intervals."""
-    k1, n1 = sum(bool(e.correct) for e in after), len(after)
-    k2, n2 = sum(bool(e.correct) for e in before), len(before)
+def accuracy_gain(
+    before: Sequence[Episode], after: Sequence[Episode], hit: Callable[[Episode], bool] = correct
+) -> Gain:
+    """The change in accuracy from `before` to `after` (two evaluations), with Wilson and Newcombe (unpaired) or
+    Agresti-Min (paired) intervals; `hit` counts another outcome instead (e.g. `answered`)."""
+    k1, n1 = sum(hit(e) for e in after), len(after)
+    k2, n2 = sum(hit(e) for e in before), len(before)
     p1, p2 = _share(k1, n1), _share(k2, n2)
     ci1, ci2 = wilson_interval(k1, n1), wilson_interval(k2, n2)
-    pairs = _pairs(before, after)
+    pairs = _pairs(before, after, hit)
     improved = sum(a and not b for b, a in pairs or ())
     worsened = sum(b and not a for b, a in pairs or ())
     if pairs:

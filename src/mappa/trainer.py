@@ -56,7 +56,7 @@ from mappa.config import Config, dump_config
 from mappa.engine import Place, open_engine
 from mappa.errors import MappaError
 from mappa.evaluate import eval_gain, eval_tasks, gain_metrics, write_eval
-from mappa.metrics import Gain, episode_metrics
+from mappa.metrics import Gain, answered, episode_metrics
 from mappa.paths import atomic_write
 from mappa.plugins import check_instance, qualified_name
 from mappa.protocols import Engine, ProgressFn, Workflow
@@ -288,6 +288,7 @@ class TrainResult:
     gain: Gain | None  # final eval vs the start eval (None when the start eval is missing)
     actions_trained: dict[str, int] = field(default_factory=dict)  # per update group, over all the run's steps
     steps_run: int = 0  # training steps this call ran (0: a resume of a finished run)
+    answered: Gain | None = None  # as `gain`, for the share of episodes that end with a final answer, right or wrong
 
     @property
     def trained_nothing(self) -> bool:
@@ -335,8 +336,9 @@ def train(
                 run_eval(run, f"step-{run.step:06d}")
         final = run_eval(run, "final")
         gain = eval_gain(run_dir / "eval")
+        answers = eval_gain(run_dir / "eval", hit=answered)
         if gain is not None and math.isfinite(gain.gain):
             run.tracker.log(gain_metrics(gain), run.step)
     finally:
         run.close()
-    return TrainResult(run_dir, run.step, final, gain, trained, run.step - first)
+    return TrainResult(run_dir, run.step, final, gain, trained, run.step - first, answers)

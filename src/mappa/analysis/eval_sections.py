@@ -20,7 +20,7 @@ from mappa.analysis.curves import Point, eval_curves, score_curves, train_curve
 from mappa.analysis.fragments import esc, figure, fmt, note, table, with_ci
 from mappa.analysis.plots import PANEL_LEGEND_MAX, Plots, draw_curves, draw_series, shared_legend
 from mappa.analysis.runs import RunData, scored_actions, step_of
-from mappa.metrics import Gain, accuracy_gain, wilson_interval
+from mappa.metrics import Gain, accuracy_gain, answered, wilson_interval
 
 
 def _no_data(ax: Any, text: str = "no data") -> None:
@@ -69,10 +69,13 @@ def headline(run: RunData) -> str | None:
         if g.significant
         else "within noise: the interval includes 0, so this run cannot tell the gain apart from chance"
     )
+    a = accuracy_gain(run.evals[tags[0]], run.evals[tags[-1]], answered)
     return (
         f"held-out accuracy {g.before:.1%} ({tags[0]}) -> {g.after:.1%} ({tags[-1]}, {g.n_after} episodes); "
         f"gain {g.gain * 100:+.1f} pp, 95% CI [{g.gain_ci[0] * 100:+.1f}, {g.gain_ci[1] * 100:+.1f}] pp ({how}): "
-        f"{verdict}"
+        f"{verdict}. Episodes ending with a final answer, right or wrong: {a.before:.0%} -> {a.after:.0%} "
+        f"({a.gain * 100:+.1f} pp [{a.gain_ci[0] * 100:+.1f}, {a.gain_ci[1] * 100:+.1f}]"
+        f"{', beyond noise' if a.significant else ''})"
     )
 
 

@@ -139,7 +139,21 @@ def gain_lines(gain: Gain, tasks: int, final_step: int) -> list[str]:
     ]
 
 
+def answered_line(change: Gain) -> str:
+    """The held-out share of episodes that end with a final answer, right or wrong, before and after training: the
+    format the final agent is asked for and a process coach rewards, which can move before accuracy does."""
+    lo, hi = change.gain_ci
+    how = "paired by task, Agresti-Min" if change.paired else "unpaired, Newcombe"
+    verdict = "beyond noise" if change.significant else "within noise"
+    return (
+        f"held-out episodes ending with a final answer (right or wrong): {change.before:.0%} -> {change.after:.0%}, "
+        f"{change.gain * 100:+.1f} pp, 95% CI [{lo * 100:+.1f}, {hi * 100:+.1f}] pp ({how}): {verdict}"
+    )
+
+
 def _report(console: Console, result: TrainResult) -> None:
+    if result.answered is not None and result.answered.n_after:
+        console.print(answered_line(result.answered), highlight=False, soft_wrap=True)
     if result.gain is not None:
         tasks = int(result.final.get("eval/tasks", result.gain.n_after))
         for i, line in enumerate(gain_lines(result.gain, tasks, result.step)):
