@@ -55,6 +55,8 @@ def _third_party_imports() -> dict[str, list[str]]:
                 continue
             for name in names:
                 top = name.split(".")[0]
+                if (path.parent / top).is_dir() or (path.parent / f"{top}.py").is_file():
+                    continue  # a module beside a file run as a script (the sandbox runner and its package)
                 if top != "mappa" and top not in sys.stdlib_module_names and top != "__future__":
                     found.setdefault(top, []).append(str(path.relative_to(ROOT)))
     return found
