@@ -22,11 +22,16 @@ import json
 import os
 import sys
 
-# The script's folder comes first on sys.path: `inside` is the package bound beside it (allowlist.root_plan).
-from inside.jail import build_root, restrict
-from inside.police import wait_watching
-from inside.serve import main_serve
-from inside.snippet import RUNNER_TAG, child, enter_namespaces, read_fd
+if __package__:  # imported as mappa.sandbox.runner (e.g. by a tool that imports every module): its package
+    from .inside.jail import build_root, restrict
+    from .inside.police import wait_watching
+    from .inside.serve import main_serve
+    from .inside.snippet import RUNNER_TAG, child, enter_namespaces, read_fd
+else:  # run as a script: its folder is first on sys.path, `inside` the package bound beside it (root_plan)
+    from inside.jail import build_root, restrict
+    from inside.police import wait_watching
+    from inside.serve import main_serve
+    from inside.snippet import RUNNER_TAG, child, enter_namespaces, read_fd
 
 
 def main_once(status_fd: int, code_fd: int, spec: dict) -> None:
