@@ -40,6 +40,16 @@ def test_length_buckets_bound_the_padding():
     assert len(groups) == 3  # ~10, ~200, 400
 
 
+def test_length_batches_cover_every_row_once_in_length_order():
+    lengths = [5, 1, 9, 3, 7, 2, 8]
+    batches = decoding.length_batches(lengths, 3)
+    assert [len(b) for b in batches] == [3, 3, 1]
+    flat = [i for b in batches for i in b]
+    assert sorted(flat) == list(range(len(lengths)))
+    assert [lengths[i] for i in flat] == sorted(lengths)  # neighbours in length share a forward
+    assert decoding.length_batches([], 4) == []
+
+
 @pytest.mark.parametrize("shared", [0, 3, 40])
 def test_prefill_then_decode_matches_each_prompt_alone(model: torch.nn.Module, shared: int):
     prompts = _prompts(shared, 9)

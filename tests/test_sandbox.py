@@ -292,6 +292,19 @@ def test_cannot_write_outside_the_workspace(conf, run, ws, target):
     assert not r.ok and (REPO / "src" / "mappa" / "sandbox" / "runner.py").is_file()
 
 
+@pytest.mark.parametrize("target", ["/run/mappa/runner.py", "/run/mappa/inside/police.py", "/run/mappa/inside/x.py"])
+def test_agent_code_cannot_change_the_runner_it_runs_under(conf, run, ws, target):
+    # The runner and its package are bound into the jail: code that rewrote them would rewrite the limits and
+    # the output capture of every later snippet (the allowlist binds them read-only).
+    if conf.kind != "bwrap":
+        pytest.skip("the runner is bound under /run/mappa by bubblewrap only")
+    r = run(f"open({target!r}, 'a').write('raise SystemExit(0)')", ws)
+    assert not r.ok and ("Read-only file system" in r.stderr or "Permission denied" in r.stderr)
+    police = REPO / "src" / "mappa" / "sandbox" / "inside" / "police.py"
+    assert "SystemExit(0)" not in police.read_text()
+    assert run("print(1 + 1)", ws).stdout == "2\n"  # the next snippet still runs under an intact runner
+
+
 @pytest.mark.skipif(not IS_ROOT, reason="the uid drop applies when started as root")
 def test_cannot_read_root_only_files(run, ws):
     r = run("print(open('/etc/shadow').read())", ws)

@@ -243,6 +243,24 @@ def shared_prefix(prompts: Sequence[Sequence[int]]) -> int:
     return max(n, 0)
 
 
+def length_batches(lengths: Sequence[int], size: int) -> list[list[int]]:
+    """Row indices sorted by length, `size` at a time: rows of similar length share a forward (less padding)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    return [order[start : start + size] for start in range(0, len(order), size)]
+
+
+def check_context(prompts: Sequence[Sequence[int]], max_context_tokens: int | None, who: str) -> None:
+    """Refuse a prompt longer than the context: it is never cut silently (the agent would act on a context it
+    never saw)."""
+    if max_context_tokens is None:
+        return
+    for i, p in enumerate(prompts):
+        if len(p) > max_context_tokens:
+            raise MappaError(
+                f"agent {who}: prompt {i} has {len(p)} tokens, more than generation.max_context_tokens={max_context_tokens}"
+            )
+
+
 def length_buckets(lengths: Sequence[int], max_padding: float = MAX_PADDING) -> list[list[int]]:
     """Row indices grouped by length (shortest first) so that each group, padded to its longest row,
     spends at most `max_padding` of its tokens on padding."""

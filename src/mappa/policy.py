@@ -291,20 +291,12 @@ class Policy:
         if max_new_tokens < 1:
             raise MappaError(f"generation.max_new_tokens must be >= 1 (got {max_new_tokens})")
         prompts = [self.chat_ids(c) for c in conversations]
-        if max_context_tokens is not None:
-            for i, p in enumerate(prompts):
-                if len(p) > max_context_tokens:
-                    raise MappaError(
-                        f"agent {agent or 'reference'}: prompt {i} has {len(p)} tokens, more than "
-                        f"generation.max_context_tokens={max_context_tokens}"
-                    )
-        size = batch_size or self.generation_batch_size
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
+        decoding.check_context(prompts, max_context_tokens, agent or "reference")
+        batches = decoding.length_batches([len(p) for p in prompts], batch_size or self.generation_batch_size)
         sampling = decoding.Sampling(temperature, top_p, decoding.seeded_generator(seed, self.device))
         done: dict[Hashable, Generation] = {}
         with torch.no_grad(), self.active(agent) as module:
-            for start in range(0, len(order), size):
-                batch = order[start : start + size]
+            for batch in batches:
                 rows = [decoding.DecodeRow(i, prompts[i], max_new_tokens, top_logprobs) for i in batch]
                 done.update(decoding.decode(module, rows, sampling, self.pad_id, self.eos_ids, self.tokenizer))
         return [done[i] for i in range(len(prompts))]
@@ -372,9 +364,9 @@ class Policy:
         T = max((len(r) for r in response_ids), default=0)
         logp = torch.zeros(N, T, device=self.device)
         mask = torch.zeros(N, T, dtype=torch.bool, device=self.device)
-        order = sorted(range(N), key=lambda i: len(prompt_ids[i]) + len(response_ids[i]))
-        for start in range(0, N, micro_batch_size):
-            idx = order[start : start + micro_batch_size]
+        for idx in decoding.length_batches(
+            [len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True)], micro_batch_size
+        ):
             lp, m = self.forward_logprobs(
                 agent, [prompt_ids[i] for i in idx], [response_ids[i] for i in idx], temperature=temperature
             )

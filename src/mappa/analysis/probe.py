@@ -184,13 +184,15 @@ def kl_to_base(
     weights and one with the base's, not two per reply."""
     import torch
 
+    from mappa.decoding import length_batches
+
     gens = policy.generate(
         agent, prompts, temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens, max_context_tokens=None, seed=seed
     )
-    gens = sorted((g for g in gens if g.response_ids), key=lambda g: len(g.prompt_ids) + len(g.response_ids))
+    gens = [g for g in gens if g.response_ids]
     total, n = 0.0, 0
-    for start in range(0, len(gens), batch):
-        chunk = gens[start : start + batch]
+    for rows in length_batches([len(g.prompt_ids) + len(g.response_ids) for g in gens], batch):
+        chunk = [gens[i] for i in rows]
         prompt_ids, reply_ids = [g.prompt_ids for g in chunk], [g.response_ids for g in chunk]
         with torch.no_grad():
             with policy.active(agent) as module:
