@@ -12,7 +12,7 @@ Both sides train one LoRA adapter (same rank, alpha and target modules) on the e
     `update_group`), same batch size and token cap; prompts ask for long answers so both run to the cap.
 Prints tokens/s (completion tokens) for each side and the ratio ours / TRL.
 
-    .venv/bin/python bench/bench_trl.py [--batch 4] [--tokens 32] [--repeats 3]
+    .venv/bin/python bench/bench_trl.py [--batch 4] [--tokens 32] [--repeats 3] [--trl-bf16]
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def reward(completions: list, **_: object) -> list[float]:
     return [float(len(set(t.split()))) / 50.0 for t in texts]
 
 
-def make_trl(model_dir: str, batch: int, tokens: int, steps: int, out_dir: str):
+def make_trl(model_dir: str, batch: int, tokens: int, steps: int, out_dir: str, bf16: bool = False):
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -69,7 +69,7 @@ def make_trl(model_dir: str, batch: int, tokens: int, steps: int, out_dir: str):
         temperature=1.0,
         activation_checkpointing=False,  # ours does not checkpoint by default either
         use_cpu=True,
-        bf16=False,
+        bf16=bf16,  # --trl-bf16: autocast to bfloat16 (HF Trainer's CPU mixed precision)
         report_to=[],
         logging_steps=1,
         save_strategy="no",
@@ -148,6 +148,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--trl-bf16", action="store_true", help="TRL with bf16=True (its CPU autocast; ours picks its own)")
     a = ap.parse_args()
     load_base_model(EMBEDDED_NAME)  # builds the safetensors cache once
     model_dir = str(gguf_cache_path(embedded_gguf_path()))
@@ -157,7 +158,7 @@ def main() -> None:
     policy, opt, cfg = make_ours(a.batch)
     convs = [[Message(role="user", content=p)] for p in prompts(a.batch)]
     with tempfile.TemporaryDirectory() as out:
-        trainer = make_trl(model_dir, a.batch, a.tokens, 1, out)
+        trainer = make_trl(model_dir, a.batch, a.tokens, 1, out, bf16=a.trl_bf16)
         trainer.create_optimizer()
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); compute_loss reads it
