@@ -148,7 +148,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--trl-bf16", action="store_true", help="TRL with bf16=True (its CPU autocast; ours picks its own)")
+    ap.add_argument(
+        "--trl-bf16", action="store_true", help="TRL with bf16=True (its CPU autocast; ours picks its own)"
+    )
     a = ap.parse_args()
     load_base_model(EMBEDDED_NAME)  # builds the safetensors cache once
     model_dir = str(gguf_cache_path(embedded_gguf_path()))
