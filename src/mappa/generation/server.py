@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from mappa.decoding import check_context
 from mappa.errors import MappaError
 from mappa.generation.adapters import adapter_name
 from mappa.types import Message
@@ -159,12 +160,7 @@ class ServerPolicy:
         """One response per conversation from the server, in input order (`batch_size` is the server's
         business: every request is in flight at once, up to `generation.concurrency`)."""
         prompts = [self.chat_ids(c) for c in conversations]
-        for i, p in enumerate(prompts):
-            if max_context_tokens is not None and len(p) > max_context_tokens:
-                raise MappaError(
-                    f"agent {agent or 'reference'}: prompt {i} has {len(p)} tokens, more than "
-                    f"generation.max_context_tokens={max_context_tokens}"
-                )
+        check_context(prompts, max_context_tokens, agent or "reference")
         model, version = self.model_name(agent), self.version
         body = {"model": model, "temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens}
         body.update(logprobs=True, return_token_ids=True)
