@@ -107,6 +107,15 @@ def test_full_weight_agents_are_refused_with_the_server_backend() -> None:
     assert build_generator(load_config(None, TINY), "policy") == "policy"  # local: the policy itself
 
 
+def test_a_prompt_longer_than_the_context_is_refused_before_any_request(tmp_path: Path) -> None:
+    policy = tiny_policy(["solver"])
+    client = client_for(policy, "http://127.0.0.1:9/v1", tmp_path)  # a port nothing listens on: no request is made
+    conv = [Message(role="user", content="word " * 50)]
+    n = len(client.chat_ids(conv))
+    with pytest.raises(MappaError, match=rf"agent solver: prompt 0 has {n} tokens.*max_context_tokens={n - 1}"):
+        client.generate("solver", [conv], max_context_tokens=n - 1)
+
+
 # ---------------------------------------------------------------------------------------------------- the server
 def test_an_adapter_loaded_into_the_server_answers_as_the_trainers_policy(server: str, tmp_path: Path) -> None:
     policy = tiny_policy(["solver", "checker"])
