@@ -28,6 +28,7 @@ import torch
 from mappa.config import Config
 from mappa.models import EMBEDDED_NAME, embedded_gguf_path, gguf_cache_path, load_base_model
 from mappa.policy import Policy
+from mappa.rollout import sample_as_configured
 from mappa.trainer import update_settings
 from mappa.types import Action, Message
 from mappa.update import update_group
@@ -95,6 +96,7 @@ def make_ours(batch: int) -> tuple[Policy, torch.optim.Optimizer, Config]:
     cfg.train.micro_batch_size = batch
     cfg.train.mini_batch_size = batch  # one optimizer step per batch, as TRL takes here
     cfg.train.kl_coef = KL
+    sample_as_configured(policy, cfg)  # as a run samples: from folded copies where the update runs in bfloat16
     return policy, opt, cfg
 
 

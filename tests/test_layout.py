@@ -31,7 +31,10 @@ LAYERS: dict[str, list[str]] = {
     # one layer: tasks.dsbench and tasks.tabular run reference solutions in the sandbox, while
     # sandbox.codeblocks reads answers with tasks.answers
     "tasks and sandbox": ["mappa.tasks", "mappa.sandbox"],
-    "models": ["mappa.models", "mappa.policy", "mappa.sharding", "mappa.decoding", "mappa.kvcache", "mappa.lora", "mappa.policy_files"],
+    "models": [
+        "mappa.models", "mappa.policy", "mappa.sharding", "mappa.decoding", "mappa.kvcache", "mappa.lora", "mappa.policy_files",
+        "mappa.sampling_copies",
+    ],
     "coach": ["mappa.coach"],
     "generation": ["mappa.generation"],
     "workflows": ["mappa.workflows"],

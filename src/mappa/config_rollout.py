@@ -54,6 +54,13 @@ class GenerationConfig(Section):
     max_new_tokens: int = Field(256, ge=1, description="Per-action token cap.")
     max_context_tokens: int = Field(2048, ge=16, description="Longest prompt an agent may see; longer is an error.")
     batch_size: int = Field(16, ge=1, description="Most sequences in one generate call (larger batches are split).")
+    sampling_copy: Literal["auto", "off", "float32", "bfloat16"] = Field(
+        "auto",
+        description="local backend on a CPU: sample from a copy of each agent's weights with its adapter folded in, "
+        "refreshed after each update (docs/models.md). float32: the same distribution, ~1.2x decode; bfloat16: "
+        "~1.5x with native bf16 (old log-probs then recomputed in the update's precision); auto: bfloat16 where the "
+        "update runs under bf16 autocast (train.cpu_autocast), else off. Costs one base-sized copy per agent.",
+    )
     backend: Literal["local", "server"] = Field(
         "local",
         description="local: the trainer's own policy generates; server: an OpenAI-compatible LoRA server "

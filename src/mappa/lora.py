@@ -6,6 +6,7 @@ Every adapter has the same shape (`LoraSettings`, from `model.lora_*`); the poli
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 from collections.abc import Sequence
@@ -82,3 +83,29 @@ def name_base(peft_model: PeftModel, base_name: str, revision: str | None) -> No
     for config in peft_model.peft_config.values():
         config.base_model_name_or_path = public_name(base_name)
         config.revision = revision
+
+
+def plain_base(peft_model: PeftModel) -> torch.nn.Module:
+    """A copy of the base model with every LoRA layer replaced by the layer it wraps (no adapter left in it)."""
+    from peft.tuners.lora import LoraLayer
+
+    plain = copy.deepcopy(peft_model.get_base_model())
+    for name, module in list(plain.named_modules()):
+        if isinstance(module, LoraLayer):
+            parent, _, child = name.rpartition(".")
+            setattr(plain.get_submodule(parent), child, module.get_base_layer())
+    return plain
+
+
+@torch.no_grad()
+def fold_adapter(target: torch.nn.Module, peft_model: PeftModel, adapter: str | None) -> None:
+    """Write each LoRA-wrapped layer's base weight plus `adapter`'s delta (None: the base alone) into the same layer
+    of `target` (a `plain_base` copy), cast to its dtype; the layers no adapter wraps never change."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in peft_model.get_base_model().named_modules():
+        if isinstance(module, LoraLayer):
+            weight = module.get_base_layer().weight
+            if adapter is not None and adapter in module.lora_A:
+                weight = weight + module.get_delta_weight(adapter)
+            target.get_submodule(name).weight.copy_(weight)

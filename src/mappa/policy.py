@@ -33,10 +33,18 @@ from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 import torch
 
-from mappa import decoding, policy_files
+from mappa import decoding, policy_files, sampling_copies
 from mappa.decoding import Generation
 from mappa.errors import MappaError
-from mappa.lora import DEFAULT_TARGET_MODULES, LoraSettings, adapter_names, name_base, wrap_lora
+from mappa.lora import (
+    DEFAULT_TARGET_MODULES,
+    LoraSettings,
+    adapter_names,
+    fold_adapter,
+    name_base,
+    plain_base,
+    wrap_lora,
+)
 from mappa.models import load_base_model, portable_init_kwargs
 from mappa.policy_files import Manifest
 from mappa.types import Message
@@ -106,6 +114,7 @@ class Policy:
         self._lock = threading.RLock()
         self._copies: dict[str, torch.nn.Module] = {}
         self._adapter: dict[str, str] = {}  # agent -> its peft adapter (`lora`/`shared`)
+        self._sampling: sampling_copies.SamplingCopies | None = None  # `sample_from_copies`
         self.eos_ids = decoding.eos_ids(tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
@@ -245,6 +254,38 @@ class Policy:
                     self._unfreeze_adapters()
                 yield self.model
 
+    def sample_from_copies(self, dtype: torch.dtype | None) -> None:
+        """Have `generate` sample from a copy of each agent's weights with its adapter folded in, in `dtype`
+        (`mappa.sampling_copies`; None: through the training modules). The copies are made at the first use."""
+        with self._lock:
+            self.sampling_dtype = dtype
+            self._sampling = None
+
+    sampling_dtype: torch.dtype | None = None  # what `generate` samples in when it samples from copies
+
+    @contextmanager
+    def _sampler(self, agent: str | None) -> Iterator[torch.nn.Module]:
+        """What `generate` runs: `agent`'s sampling copy, refreshed if its weights changed, else `active`."""
+        if self.sampling_dtype is None:
+            with self.active(agent) as module:
+                yield module
+            return
+        if agent is not None:
+            self._check_agent(agent)
+        params = self.trainable_parameters(agent) if agent is not None else []
+        if self.agent_weights == "full":
+            source = self.model if agent is None else self._copies[agent]
+            key: str | None = agent
+            fill = lambda m: sampling_copies.copy_weights(m, source)  # noqa: E731
+        else:
+            key = None if agent is None else self._adapter[agent]
+            fill = lambda m: fold_adapter(m, self._peft, key)  # noqa: E731
+        with self._lock:
+            if self._sampling is None:
+                base = copy.deepcopy(self.model) if self.agent_weights == "full" else plain_base(self._peft)
+                self._sampling = sampling_copies.SamplingCopies(base, self.sampling_dtype)
+            yield self._sampling.get(key, sampling_copies.fingerprint(params), fill)
+
     def _unfreeze_adapters(self) -> None:
         """peft freezes every inactive adapter on a switch (and all of them around disable_adapter); keep
         all trainable so an optimizer built earlier over another agent's parameters sees requires_grad=True."""
@@ -295,7 +336,7 @@ class Policy:
         batches = decoding.length_batches([len(p) for p in prompts], batch_size or self.generation_batch_size)
         sampling = decoding.Sampling(temperature, top_p, decoding.seeded_generator(seed, self.device))
         done: dict[Hashable, Generation] = {}
-        with torch.no_grad(), self.active(agent) as module:
+        with torch.no_grad(), self._sampler(agent) as module:
             for batch in batches:
                 rows = [decoding.DecodeRow(i, prompts[i], max_new_tokens, top_logprobs) for i in batch]
                 done.update(decoding.decode(module, rows, sampling, self.pad_id, self.eos_ids, self.tokenizer))

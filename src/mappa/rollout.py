@@ -21,9 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mappa import precision, sharding
 from mappa.config import Config
 from mappa.errors import MappaError
 from mappa.protocols import PolicyLike, ProgressFn, Runtime, Workflow
+from mappa.sampling_copies import choose_dtype
 from mappa.types import Episode, Task, write_jsonl
 
 if TYPE_CHECKING:
@@ -136,11 +138,25 @@ def _load_policy(cfg: Config, agents: Sequence[str], device: str | None, weights
                 f"{weights / MANIFEST}: the checkpoint has agents {list(policy.agents)}, workflow "
                 f"{cfg.workflow.name!r} needs {missing} too"
             )
-        return policy
-    model = cfg.model if device is None else cfg.model.model_copy(update={"device": device})
-    return Policy.from_config(
-        model, agents, seed=cfg.seed, generation_batch_size=cfg.generation.batch_size, chat_template_kwargs=template
-    )
+    else:
+        model = cfg.model if device is None else cfg.model.model_copy(update={"device": device})
+        policy = Policy.from_config(
+            model,
+            agents,
+            seed=cfg.seed,
+            generation_batch_size=cfg.generation.batch_size,
+            chat_template_kwargs=template,
+        )
+    sample_as_configured(policy, cfg)
+    return policy
+
+
+def sample_as_configured(policy: Policy, cfg: Config) -> None:
+    """Have `policy` sample from copies as `generation.sampling_copy` says, given the update's precision on this
+    machine (`mappa.sampling_copies.choose_dtype`)."""
+    autocast = precision.autocast_dtype(cfg.train.cpu_autocast, policy.model)
+    sharded = sharding.rank_world()[1] > 1
+    policy.sample_from_copies(choose_dtype(cfg.generation.sampling_copy, policy.device.type, autocast, sharded))
 
 
 def build_kit(

@@ -1,0 +1,154 @@
+"""Sampling copies (`mappa.sampling_copies`): `generate` samples from a copy of each agent's weights with its adapter
+folded in. In float32 the copy samples what the forward pass computes; a copy follows its agent's weights through
+optimizer steps, loads and the self-test's perturbation; a bfloat16 copy stays within the self-test's bf16
+tolerance. Tiny random Llama, in-process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_policy import AGENTS, convs, make_policy, perturb
+from test_sampling_temperature import _actions
+
+from mappa import sampling_copies
+from mappa.config import Config
+from mappa.errors import MappaError
+from mappa.policy import Policy
+from mappa.rollout import build_kit
+from mappa.sampling_copies import choose_dtype
+from mappa.selftest import check_agents
+from mappa.trainer import update_settings
+from mappa.update import update_group
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+T = 0.7
+BF16 = torch.bfloat16
+
+
+def _gap(policy: Policy, agent: str | None, seed: int = 2) -> float:
+    """Mean |generate's log-probs - the forward pass's| over a batch sampled with `agent`."""
+    gens = policy.generate(agent, convs(4), max_new_tokens=12, temperature=T, seed=seed)
+    prompts, responses = [g.prompt_ids for g in gens], [g.response_ids for g in gens]
+    with torch.no_grad():
+        lp, mask = policy.forward_logprobs(agent, prompts, responses, temperature=T)
+    reported = torch.zeros_like(lp)
+    for i, g in enumerate(gens):
+        reported[i, : len(g.logprobs)] = torch.tensor(g.logprobs)
+    return float((reported - lp)[mask].abs().mean())
+
+
+def test_the_dtype_follows_the_mode_the_device_and_the_update_precision() -> None:
+    assert choose_dtype("off", "cpu", BF16, False) is None
+    assert choose_dtype("auto", "cpu", BF16, False) is BF16  # the update already runs in bf16
+    assert choose_dtype("auto", "cpu", None, False) is None  # a float32 update: sample through the adapters
+    assert choose_dtype("float32", "cpu", None, False) is torch.float32
+    assert choose_dtype("bfloat16", "cpu", None, False) is BF16
+    assert choose_dtype("bfloat16", "cuda", BF16, False) is None  # a GPU: the server backend is the fast path
+    assert choose_dtype("float32", "cpu", None, True) is None  # sharded weights are never copied whole
+    with pytest.raises(ValueError, match="unknown mode 'fp8'"):
+        choose_dtype("fp8", "cpu", None, False)
+
+
+@pytest.mark.parametrize("mode", ["lora", "full", "shared"])
+def test_float32_copies_sample_what_the_forward_pass_computes(mode: str) -> None:
+    policy = make_policy(mode, eos_scale=5.0)
+    for k, agent in enumerate(AGENTS if mode != "shared" else AGENTS[:1]):
+        perturb(policy, agent, seed=k + 1)
+    through_adapters = policy.generate("coder", convs(4), max_new_tokens=12, temperature=T, seed=5)
+    policy.sample_from_copies(torch.float32)
+    from_copies = policy.generate("coder", convs(4), max_new_tokens=12, temperature=T, seed=5)
+    assert [g.response_ids for g in from_copies] == [g.response_ids for g in through_adapters]
+    for agent in (*AGENTS, None):
+        assert _gap(policy, agent) < 2e-3, agent
+    # the agents differ from the base, so a copy holding the base (or another agent) would fail the gaps above
+    assert _gap(policy, "coder") < 0.1 * abs(_gap_under(policy, "coder", None))
+
+
+def _gap_under(policy: Policy, sampled: str, scored: str | None) -> float:
+    """How far `scored`'s log-probs are from those of a batch `sampled` generated: the size of a wrong copy."""
+    gens = policy.generate(sampled, convs(4), max_new_tokens=12, temperature=T, seed=2)
+    prompts, responses = [g.prompt_ids for g in gens], [g.response_ids for g in gens]
+    with torch.no_grad():
+        a, mask = policy.forward_logprobs(sampled, prompts, responses, temperature=T)
+        b, _ = policy.forward_logprobs(scored, prompts, responses, temperature=T)
+    return float((a - b)[mask].abs().mean())
+
+
+def test_a_copy_follows_an_update_and_is_only_refilled_when_its_weights_changed() -> None:
+    policy = make_policy()
+    perturb(policy, "solver", scale=0.3, seed=3)
+    policy.sample_from_copies(torch.float32)
+    actions = _actions(policy, 6, T)
+    policy.generate("coder", convs(1), max_new_tokens=2, seed=0)
+    filled = policy._sampling.refreshes
+    policy.generate("solver", convs(1), max_new_tokens=2, seed=0)
+    policy.generate("coder", convs(1), max_new_tokens=2, seed=0)
+    assert policy._sampling.refreshes == filled  # nothing changed: the copies are reused
+
+    cfg = Config()
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"mini_batch_size": 6})})
+    prompts, responses = [a.prompt_ids for a in actions], [a.response_ids for a in actions]
+    with torch.no_grad():
+        old, mask = policy.forward_logprobs("solver", prompts, responses, temperature=T)
+    opt = torch.optim.AdamW(policy.trainable_parameters("solver"), lr=0.05)
+    update_group(policy, opt, actions, [10.0, 0.0, 5.0, 3.0, 8.0, 1.0], update_settings(cfg))
+    with torch.no_grad():
+        new, _ = policy.forward_logprobs("solver", prompts, responses, temperature=T)
+    assert float((new - old)[mask].abs().mean()) > 0.05  # the step moved the weights: a stale copy would show
+    assert _gap(policy, "solver") < 2e-3  # sampled from the updated weights
+    assert policy._sampling.refreshes == filled + 1  # the solver's copy alone was refilled
+    policy.generate("coder", convs(1), max_new_tokens=2, seed=0)
+    assert policy._sampling.refreshes == filled + 1
+
+
+def test_a_copy_follows_loaded_weights(tmp_path) -> None:  # noqa: ANN001
+    trained = make_policy()
+    perturb(trained, "verifier", seed=4)
+    trained.save(tmp_path / "ckpt")
+    policy = make_policy()
+    policy.sample_from_copies(torch.float32)
+    policy.generate("verifier", convs(1), max_new_tokens=2, seed=0)  # a copy of the untrained adapter
+    policy.load_weights(tmp_path / "ckpt")
+    assert _gap(policy, "verifier") < 2e-3
+
+
+def test_bfloat16_copies_pass_the_self_test_and_a_stale_copy_fails_it(monkeypatch) -> None:  # noqa: ANN001
+    policy = make_policy()
+    policy.sample_from_copies(BF16)
+    assert len(check_agents(policy, AGENTS, temperature=T)) == 3
+    copies = [module for _, module in policy._sampling._copies.values()]
+    assert copies and all(p.dtype == BF16 for m in copies for p in m.parameters())
+    assert 0.0 < _gap(policy, "solver") < 0.25  # bf16 rounding, not another model's distribution
+
+    stale = make_policy()
+    stale.sample_from_copies(torch.float32)
+    monkeypatch.setattr(sampling_copies, "fingerprint", lambda params: ())  # never sees a change
+    for agent in AGENTS:  # copies of the untrained adapters (the base), kept through the self-test's perturbation
+        stale.generate(agent, convs(1), max_new_tokens=2, seed=0)
+    with pytest.raises(MappaError, match="generates with the base weights"):
+        check_agents(stale, AGENTS, temperature=T)
+
+
+def test_copies_can_be_switched_off_again() -> None:
+    policy = make_policy()
+    perturb(policy, "solver")
+    policy.sample_from_copies(BF16)
+    assert policy.sampling_dtype is BF16
+    policy.sample_from_copies(None)
+    assert policy.sampling_dtype is None and _gap(policy, "solver") < 2e-3
+
+
+@pytest.mark.parametrize(("mode", "dtype"), [("float32", torch.float32), ("auto", None), ("off", None)])
+def test_the_configured_mode_reaches_the_policy(mode: str, dtype: torch.dtype | None) -> None:
+    """`generation.sampling_copy` through `build_kit` (the one constructor of a run's parts). The tiny model is
+    narrower than `mappa.precision.MIN_HIDDEN`, so its update is never autocast and `auto` stays off."""
+    cfg = Config()
+    cfg = cfg.model_copy(
+        update={
+            "model": cfg.model.model_copy(update={"name": "tiny-random"}),
+            "generation": cfg.generation.model_copy(update={"sampling_copy": mode}),
+        }
+    )
+    with build_kit(cfg, AGENTS, coach=False, sandbox=False) as kit:
+        assert kit.policy.sampling_dtype is dtype
