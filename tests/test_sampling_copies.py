@@ -5,6 +5,8 @@ tolerance. Tiny random Llama, in-process."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from test_policy import AGENTS, convs, make_policy, perturb
@@ -152,3 +154,31 @@ def test_the_configured_mode_reaches_the_policy(mode: str, dtype: torch.dtype | 
     )
     with build_kit(cfg, AGENTS, coach=False, sandbox=False) as kit:
         assert kit.policy.sampling_dtype is dtype
+
+
+def test_a_run_sampling_from_bfloat16_copies_trains_and_resumes_exactly(tmp_path) -> None:  # noqa: ANN001
+    """The trainer's whole path with bfloat16 copies on the tiny model (its update forced into bfloat16 too): the
+    self-test passes, every agent trains, and a run resumed from its step-2 checkpoint ends where a straight run
+    does (the copies are rebuilt from the loaded weights)."""
+    from test_resume import TINY
+
+    from mappa.checkpoint import latest_checkpoint
+    from mappa.config import load_config
+    from mappa.tracking import read_metrics
+    from mappa.trainer import train
+
+    sets = [*TINY, "generation.sampling_copy=bfloat16", "train.cpu_autocast=bf16", "train.checkpoint_every=1"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(load_config(None, [*sets, "train.steps=3", f"run_dir={straight}"]), straight)
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-000003")  # as if killed before step 3's checkpoint
+    (resumed / "checkpoints" / "latest").write_text("step-000002")
+    train(load_config(None, [*sets, "train.steps=3", f"run_dir={resumed}"]), resumed, resume=True)
+    rows = [r for r in read_metrics(straight) if "time/rollout_s" in r]
+    assert all(r[f"agent/{a}/optimizer_steps"] > 0 for r in rows for a in ("problem_solver", "code_executor"))
+    a = Policy.from_checkpoint(latest_checkpoint(straight) / "policy", device="cpu")
+    b = Policy.from_checkpoint(latest_checkpoint(resumed) / "policy", device="cpu")
+    assert latest_checkpoint(resumed).name == "step-000003"
+    for agent in a.agents:
+        for p, q in zip(a.trainable_parameters(agent), b.trainable_parameters(agent), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
