@@ -14,7 +14,8 @@ a forward, so a backward pass reaches that agent's weights alone.
 
 Logprobs from `generate` are those of the distribution sampled from (`mappa.decoding.scaled_logits`), and
 `forward_logprobs(..., temperature=T)` recomputes them for the update (PPO's ratio, the KL term): both use
-left-padded prompts and explicit position ids, so the two agree to float32 rounding.
+left-padded prompts and explicit position ids, so the two agree to float32 rounding. On a CPU `generate` may
+sample from copies with each adapter folded in instead (`sample_from_copies`, `mappa.sampling_copies`).
 
 The decoding steps `generate` runs live in `mappa.decoding`, shared with `mappa.serving` (which builds
 continuous batching on them and on this module's `active`; training never imports it). The checkpoint
@@ -258,33 +259,32 @@ class Policy:
         """Have `generate` sample from a copy of each agent's weights with its adapter folded in, in `dtype`
         (`mappa.sampling_copies`; None: through the training modules). The copies are made at the first use."""
         with self._lock:
-            self.sampling_dtype = dtype
-            self._sampling = None
+            self.sampling_dtype, self._sampling = dtype, None
 
     sampling_dtype: torch.dtype | None = None  # what `generate` samples in when it samples from copies
 
     @contextmanager
     def _sampler(self, agent: str | None) -> Iterator[torch.nn.Module]:
-        """What `generate` runs: `agent`'s sampling copy, refreshed if its weights changed, else `active`."""
+        """What `generate` runs: `agent`'s sampling copy, refilled if its weights changed, else `active`."""
         if self.sampling_dtype is None:
             with self.active(agent) as module:
                 yield module
             return
-        if agent is not None:
-            self._check_agent(agent)
         params = self.trainable_parameters(agent) if agent is not None else []
-        if self.agent_weights == "full":
-            source = self.model if agent is None else self._copies[agent]
-            key: str | None = agent
-            fill = lambda m: sampling_copies.copy_weights(m, source)  # noqa: E731
-        else:
-            key = None if agent is None else self._adapter[agent]
-            fill = lambda m: fold_adapter(m, self._peft, key)  # noqa: E731
+        full = self.agent_weights == "full"
+        key = agent if full or agent is None else self._adapter[agent]  # `shared`: one copy for every agent
         with self._lock:
             if self._sampling is None:
-                base = copy.deepcopy(self.model) if self.agent_weights == "full" else plain_base(self._peft)
+                base = copy.deepcopy(self.model) if full else plain_base(self._peft)
                 self._sampling = sampling_copies.SamplingCopies(base, self.sampling_dtype)
-            yield self._sampling.get(key, sampling_copies.fingerprint(params), fill)
+            yield self._sampling.get(key, sampling_copies.fingerprint(params), lambda m: self._fill(m, key))
+
+    def _fill(self, target: torch.nn.Module, key: str | None) -> None:
+        """Write the weights behind a sampling copy's `key` (an agent, an adapter, None: the base) into `target`."""
+        if self.agent_weights == "full":
+            sampling_copies.copy_weights(target, self.model if key is None else self._copies[key])
+        else:
+            fold_adapter(target, self._peft, key)
 
     def _unfreeze_adapters(self) -> None:
         """peft freezes every inactive adapter on a switch (and all of them around disable_adapter); keep
