@@ -3,14 +3,14 @@
 A decode step on a CPU is bound by reading the weights: every token of every row reads all of them once, and a
 LoRA adapter adds its own small matmuls to each of the seven projections of every layer. A copy with the adapter
 folded in (W + scale * B @ A) reads one matrix per projection, and a bfloat16 copy reads half the bytes. Measured
-on two cores of an AVX-512 BF16 CPU, SmolLM2-135M with rank-16 adapters, 135-token prompts, 48 new tokens
-(`bench/bench_sampling.py`):
+on two cores of an AVX-512 BF16 CPU, SmolLM2-135M with three rank-16 adapters, 110-token prompts, 48 new tokens,
+`OMP_WAIT_POLICY=PASSIVE` as mappa runs (`bench/bench_sampling.py`; docs/models.md):
 
 | rows | adapters, float32 | folded, float32 | folded, bfloat16 |
 |---|---|---|---|
-| 4 | 1.0x | 1.19x | 1.65x |
-| 8 | 1.0x | 1.32x | 1.74x |
-| 32 | 1.0x | 1.16x | 1.45x |
+| 4 | 1.0x | 1.77x | 2.52x |
+| 8 | 1.0x | 1.82x | 2.30x |
+| 32 | 1.0x | 1.54x | 2.45x |
 
 A float32 copy samples the distribution the forward pass computes (log-probs equal to float32 rounding). A
 bfloat16 copy samples a slightly different one: about 0.002 nats/token KL from the update's bfloat16-autocast
