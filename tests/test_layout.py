@@ -33,7 +33,7 @@ LAYERS: dict[str, list[str]] = {
     "tasks and sandbox": ["mappa.tasks", "mappa.sandbox"],
     "models": [
         "mappa.models", "mappa.policy", "mappa.sharding", "mappa.decoding", "mappa.kvcache", "mappa.lora", "mappa.policy_files",
-        "mappa.sampling_copies",
+        "mappa.sampling_copies", "mappa.agent_weights",
     ],
     "coach": ["mappa.coach"],
     "generation": ["mappa.generation"],

@@ -5,7 +5,8 @@ Agent weights (`agent_weights`):
 - `full`: a separate full trainable copy of the base per agent;
 - `shared`: one adapter used by every agent (the single-policy baseline).
 In every mode the reference policy (`agent=None`) is the frozen base: adapters disabled for
-`lora`/`shared` (no extra memory), the untouched base module for `full`.
+`lora`/`shared` (no extra memory), the untouched base module for `full`. Each mode is an object of
+`mappa.agent_weights`, which the policy calls under its lock.
 
 Switching agents happens inside a lock, right before each forward, so a generation or a logprob
 call always runs with the named agent's weights. Every adapter's parameters keep
@@ -24,8 +25,6 @@ format `save`, `load_weights` and `from_checkpoint` read and write lives in `map
 
 from __future__ import annotations
 
-import copy
-import re
 import threading
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -35,23 +34,15 @@ from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 import torch
 
 from mappa import decoding, policy_files, sampling_copies
+from mappa.agent_weights import AdapterWeights, FullWeights
 from mappa.decoding import Generation
 from mappa.errors import MappaError
-from mappa.lora import (
-    DEFAULT_TARGET_MODULES,
-    LoraSettings,
-    adapter_names,
-    fold_adapter,
-    name_base,
-    plain_base,
-    wrap_lora,
-)
+from mappa.lora import DEFAULT_TARGET_MODULES, LoraSettings
 from mappa.models import load_base_model, portable_init_kwargs
 from mappa.policy_files import Manifest
 from mappa.types import Message
 
 if TYPE_CHECKING:
-    from peft import PeftModel
     from transformers import PreTrainedTokenizerBase
 
     from mappa.config import ModelConfig
@@ -113,8 +104,6 @@ class Policy:
         self.lora = LoraSettings(r=lora_r, alpha=lora_alpha, dropout=lora_dropout, target_modules=list(target_modules))
         self.device = next(model.parameters()).device
         self._lock = threading.RLock()
-        self._copies: dict[str, torch.nn.Module] = {}
-        self._adapter: dict[str, str] = {}  # agent -> its peft adapter (`lora`/`shared`)
         self._sampling: sampling_copies.SamplingCopies | None = None  # `sample_from_copies`
         self.eos_ids = decoding.eos_ids(tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
@@ -126,18 +115,14 @@ class Policy:
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(seed)
             if agent_weights == "full":
-                self.model = model
-                for agent in agents:
-                    clone = copy.deepcopy(model)
-                    clone.requires_grad_(True)
-                    clone.eval()
-                    self._copies[agent] = clone
+                self._weights: FullWeights | AdapterWeights = FullWeights(model, agents)
             else:
-                self._adapter = adapter_names(agents, shared=agent_weights == "shared")
-                self.model = wrap_lora(model, self._adapters(), self.lora)
-                self._adapter_params = [p for n, p in self.model.named_parameters() if ".lora_" in n]
-                if base_name is not None:
-                    name_base(self.model, base_name, self.base_init_kwargs.get("revision"))
+                revision = self.base_init_kwargs.get("revision")
+                shared = agent_weights == "shared"
+                self._weights = AdapterWeights(
+                    model, agents, self.lora, shared=shared, base_name=base_name, revision=revision
+                )
+        self.model = self._weights.model
 
     # ------------------------------------------------------------------------------------------------------------
     # Construction
@@ -199,7 +184,7 @@ class Policy:
     def enable_gradient_checkpointing(self) -> None:
         """Recompute activations in backward. The recomputation runs with whichever agent is active at
         backward time, so call backward before the next agent's forward (the natural per-agent loop)."""
-        for module in self._modules():
+        for module in self._weights.modules():
             # non-reentrant checkpointing needs no input that requires grad (the base embeddings are frozen)
             module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self._checkpointing = True
@@ -212,26 +197,21 @@ class Policy:
     def trainable_parameters(self, agent: str) -> list[torch.nn.Parameter]:
         """Only `agent`'s weights: its LoRA matrices (the one shared adapter in `shared` mode) or its full copy."""
         self._check_agent(agent)
-        if self.agent_weights == "full":
-            return list(self._copies[agent].parameters())
-        pattern = re.compile(rf"\.lora_\w+\.{re.escape(self._adapter[agent])}(\.|$)")
-        return [p for n, p in self.model.named_parameters() if pattern.search(n)]
+        return self._weights.trainable_parameters(agent)
 
     def _check_agent(self, agent: str) -> None:
         if agent not in self.agents:
             raise MappaError(f"policy: unknown agent {agent!r} (agents: {', '.join(self.agents)})")
 
-    def _modules(self) -> list[torch.nn.Module]:
-        return list(self._copies.values()) if self.agent_weights == "full" else [self.model]
-
-    def _adapters(self) -> list[str]:
-        """The distinct peft adapters, in agent order (one for every agent in `shared` mode)."""
-        return list(dict.fromkeys(self._adapter.values()))
+    @property
+    def _adapter(self) -> dict[str, str]:
+        """agent -> its peft adapter (`lora`/`shared`; empty for `full`)."""
+        return self._weights.adapter
 
     def shardable_modules(self) -> list[torch.nn.Module]:
         """Every model this policy holds, for `mappa.sharding` to shard: the base (with the adapters) and,
         with `full` weights, each agent's copy."""
-        return [self.model, *self._copies.values()]
+        return list(dict.fromkeys([self.model, *self._weights.modules()]))
 
     @contextmanager
     def active(self, agent: str | None) -> Iterator[torch.nn.Module]:
@@ -239,21 +219,8 @@ class Policy:
         the duration. Held under a lock so concurrent callers cannot switch adapters mid-forward."""
         if agent is not None:
             self._check_agent(agent)
-        with self._lock:
-            if self.agent_weights == "full":
-                yield self.model if agent is None else self._copies[agent]
-            elif agent is None:
-                try:
-                    with self._peft.disable_adapter():
-                        yield self.model
-                finally:
-                    self._unfreeze_adapters()
-            else:
-                name = self._adapter[agent]
-                if self._peft.active_adapter != name:
-                    self._peft.set_adapter(name)
-                    self._unfreeze_adapters()
-                yield self.model
+        with self._lock, self._weights.active(agent) as module:
+            yield module
 
     def sample_from_copies(self, dtype: torch.dtype | None) -> None:
         """Have `generate` sample from a copy of each agent's weights with its adapter folded in, in `dtype`
@@ -271,26 +238,11 @@ class Policy:
                 yield module
             return
         params = self.trainable_parameters(agent) if agent is not None else []
-        full = self.agent_weights == "full"
-        key = agent if full or agent is None else self._adapter[agent]  # `shared`: one copy for every agent
+        key = self._weights.sampling_key(agent)
         with self._lock:
             if self._sampling is None:
-                base = copy.deepcopy(self.model) if full else plain_base(self._peft)
-                self._sampling = sampling_copies.SamplingCopies(base, self.sampling_dtype)
-            yield self._sampling.get(key, sampling_copies.fingerprint(params), lambda m: self._fill(m, key))
-
-    def _fill(self, target: torch.nn.Module, key: str | None) -> None:
-        """Write the weights behind a sampling copy's `key` (an agent, an adapter, None: the base) into `target`."""
-        if self.agent_weights == "full":
-            sampling_copies.copy_weights(target, self.model if key is None else self._copies[key])
-        else:
-            fold_adapter(target, self._peft, key)
-
-    def _unfreeze_adapters(self) -> None:
-        """peft freezes every inactive adapter on a switch (and all of them around disable_adapter); keep
-        all trainable so an optimizer built earlier over another agent's parameters sees requires_grad=True."""
-        for p in self._adapter_params:
-            p.requires_grad_(True)
+                self._sampling = sampling_copies.SamplingCopies(self._weights.sampling_base(), self.sampling_dtype)
+            yield self._sampling.get(key, sampling_copies.fingerprint(params), lambda m: self._weights.fill(m, key))
 
     # ------------------------------------------------------------------------------------------------------------
     # Tokens
@@ -426,13 +378,7 @@ class Policy:
         Sharded weights (`mappa.sharding`) are gathered first, a collective: every rank calls `save`, and all
         but the first with `write=False`."""
         with self._lock:
-            if self.agent_weights == "full":
-                files = policy_files.full_copy_files(self._copies)
-            else:
-                files = policy_files.adapter_files(self._peft, self._adapters())
-            if self.base_name is None:
-                base = self.model if self.agent_weights == "full" else self._peft.get_base_model()
-                files |= policy_files.base_files(base)
+            files = self._weights.files(with_base=self.base_name is None)
         if write:
             policy_files.write_checkpoint(directory, files, self.tokenizer, self.manifest())
 
@@ -452,12 +398,4 @@ class Policy:
         directory = Path(directory)
         policy_files.check_fits(directory, policy_files.read_manifest(directory), self.agents, self.agent_weights)
         with self._lock:
-            if self.agent_weights == "full":
-                policy_files.load_full_copies(directory, self._copies)
-            else:
-                policy_files.load_adapters(directory, self._peft, self._adapters())
-
-    @property
-    def _peft(self) -> PeftModel:
-        """The base with every adapter (`lora`/`shared` mode)."""
-        return self.model  # type: ignore[return-value]
+            self._weights.load(directory)
