@@ -75,7 +75,7 @@ class AdapterWeights:
 
     def files(self, with_base: bool) -> dict[str, Any]:
         files = policy_files.adapter_files(self.model, self.adapters())
-        return files | policy_files.base_files(self.model.get_base_model()) if with_base else files
+        return (files | policy_files.base_files(self.model.get_base_model())) if with_base else files
 
     def load(self, directory: Path) -> None:
         policy_files.load_adapters(directory, self.model, self.adapters())
@@ -94,9 +94,8 @@ class AdapterWeights:
 class FullWeights:
     """A full trainable copy of the base per agent; the base itself is the reference."""
 
-    adapter: dict[str, str] = {}  # no peft adapters (`AdapterWeights.adapter`); never written
-
     def __init__(self, base: torch.nn.Module, agents: Sequence[str]) -> None:
+        self.adapter: dict[str, str] = {}  # no peft adapters (`AdapterWeights.adapter`)
         self.model = base
         self.copies: dict[str, torch.nn.Module] = {}
         for agent in agents:
@@ -117,7 +116,7 @@ class FullWeights:
 
     def files(self, with_base: bool) -> dict[str, Any]:
         files = policy_files.full_copy_files(self.copies)
-        return files | policy_files.base_files(self.model) if with_base else files
+        return (files | policy_files.base_files(self.model)) if with_base else files
 
     def load(self, directory: Path) -> None:
         policy_files.load_full_copies(directory, self.copies)

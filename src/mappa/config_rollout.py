@@ -57,8 +57,8 @@ class GenerationConfig(Section):
     sampling_copy: Literal["auto", "off", "float32", "bfloat16"] = Field(
         "auto",
         description="local backend on a CPU: sample from a copy of each agent's weights with its adapter folded in, "
-        "refreshed after each update (docs/models.md). float32: the same distribution, ~1.2x decode; bfloat16: "
-        "~1.5x with native bf16 (old log-probs then recomputed in the update's precision); auto: bfloat16 where the "
+        "refreshed after each update (docs/models.md). float32: the same distribution, 1.5-1.8x generation; bfloat16: "
+        "2.3-2.5x with native bf16 (old log-probs then recomputed in the update's precision); auto: bfloat16 where the "
         "update runs under bf16 autocast (train.cpu_autocast), else off. Costs one base-sized copy per agent.",
     )
     backend: Literal["local", "server"] = Field(

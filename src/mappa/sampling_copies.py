@@ -68,7 +68,7 @@ class SamplingCopies:
         self.dtype = dtype
         self._template: torch.nn.Module | None = template.to(dtype).eval().requires_grad_(False)
         self._copies: dict[Hashable, tuple[Fingerprint, torch.nn.Module]] = {}
-        self.refreshes = 0  # fills so far (tests and benchmarks read it)
+        self.refreshes = 0  # fills so far (the tests count them)
 
     @torch.no_grad()
     def get(self, key: Hashable, current: Fingerprint, fill: Callable[[torch.nn.Module], None]) -> torch.nn.Module:
