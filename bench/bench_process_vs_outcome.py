@@ -20,11 +20,13 @@ it, and the gaps process - outcome and process - shared: first over seeds (one p
 interval on seeds - 1 degrees of freedom, the number of seeds named), then per task (tasks x seeds pooled,
 Agresti-Min), which leaves the variation between seeds out; with one seed it says so. Then `mappa compare` and
 `mappa report` over the runs. Runs go under --out as <arm>-seed<S>; a finished run is reused and a killed one is
-resumed, so the benchmark can be stopped and started again.
+resumed, so the benchmark can be stopped and started again; `--so-far` (with the same size flags) trains nothing and
+summarises the seeds every arm has finished, into interim.json, while a long benchmark runs.
 
     .venv/bin/python bench/bench_process_vs_outcome.py --power-only   # the power calculation alone
     .venv/bin/python bench/bench_process_vs_outcome.py       # 3 arms x 3 seeds into runs/process-vs-outcome
     .venv/bin/python bench/bench_process_vs_outcome.py --powered --out runs/pvo-powered   # the calculated size
+    .venv/bin/python bench/bench_process_vs_outcome.py --powered --out runs/pvo-powered --so-far   # while it runs
     .venv/bin/python bench/bench_process_vs_outcome.py --seeds 1 --steps 1 --eval-size 4 --out /tmp/pvo   # smoke
 """
 
@@ -222,6 +224,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--power-only", action="store_true", help="print the power calculation and stop")
     ap.add_argument("--power", type=float, default=0.8, help="target power of the calculation (default 0.8)")
     ap.add_argument("--gap", type=float, default=None, help="gap to detect in pp (default: the measured one)")
+    ap.add_argument(
+        "--so-far", action="store_true",
+        help="train nothing: summarise the seeds every arm has finished (into interim.json), e.g. while it runs",
+    )  # fmt: skip
     return ap.parse_args(argv)
 
 
@@ -257,6 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     seeds = [FIRST_SEED + i for i in range(n_seeds)]
     runs = {(arm, s): out / f"{arm}-seed{s}" for s in seeds for arm in arms}  # seed-major: arms alternate
+    if a.so_far:
+        return interim(out, arms, seeds, runs, plan)
     for (arm, seed), run_dir in runs.items():
         extra = coach if arm in COACHED else []
         seconds = train_arm(a.config, run_dir, [f"seed={seed}", *common, *extra, *ARMS[arm]])
@@ -265,6 +273,20 @@ def main(argv: list[str] | None = None) -> dict:
     summary = summarise(out, arms, seeds, runs)
     summary["power"] = plan_dict(plan)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    return summary
+
+
+def interim(out: Path, arms: list[str], seeds: list[int], runs: dict[tuple[str, int], Path], plan: PowerPlan) -> dict:
+    """The summary over the seeds whose runs have finished in every arm (a partly run seed would unpair the arms),
+    saying on how many of the planned seeds it rests; `mappa report` is left for the finished benchmark."""
+    done = [s for s in seeds if all((runs[(arm, s)] / "eval" / "final.jsonl").is_file() for arm in arms)]
+    if not done:
+        raise SystemExit(f"{out}: no seed has finished in every arm yet ({', '.join(arms)})")
+    print(f"interim: {len(done)} of {len(seeds)} planned seeds finished in every arm; the figures below rest on them")
+    kept = {(arm, s): runs[(arm, s)] for arm in arms for s in done}
+    summary = summarise(out, arms, done, kept, name="interim.json", analyses=("compare",))
+    summary.update(power=plan_dict(plan), planned_seeds=len(seeds), interim=True)
+    (out / "interim.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     return summary
 
 
@@ -277,7 +299,14 @@ def arm_coach(run_dir: Path) -> str:
     return coach_label(load_config(run_dir / "config.yaml").model_dump(mode="json"))
 
 
-def summarise(out: Path, arms: list[str], seeds: list[int], runs: dict[tuple[str, int], Path]) -> dict:
+def summarise(
+    out: Path,
+    arms: list[str],
+    seeds: list[int],
+    runs: dict[tuple[str, int], Path],
+    name: str = "summary.json",
+    analyses: tuple[str, ...] = ("compare", "report"),
+) -> dict:
     start, final = evals(runs, "start"), evals(runs, "final")
 
     def outcomes(by_seed: dict[int, list[Episode]]) -> list[tuple[str, str | None, bool | None]]:
@@ -312,11 +341,13 @@ def summarise(out: Path, arms: list[str], seeds: list[int], runs: dict[tuple[str
                 "gain": m, "ci_over_seeds": None if gain.one_seed else list(ci), "seeds": len(gain.seeds), "per_seed": list(gain.per_seed),
                 "ci": list(p.gain_ci) if p else None, "paired": bool(p and p.paired),
             }  # fmt: skip
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    (out / name).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     paths = [str(p) for p in runs.values()]
-    run_analysis("compare", paths)
-    run_analysis("report", [*paths, "--out", str(out / "report.html")])
-    print(f"runs, summary.json and report.html under {out}")
+    if "compare" in analyses:
+        run_analysis("compare", paths)
+    if "report" in analyses:
+        run_analysis("report", [*paths, "--out", str(out / "report.html")])
+    print(f"runs and {name}{' and report.html' if 'report' in analyses else ''} under {out}")
     return summary
 
 

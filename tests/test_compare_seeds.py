@@ -189,6 +189,23 @@ def test_the_bench_gives_gaps_over_seeds_and_names_coaches(
         assert gap["ci_over_seeds"] is None and "WARNING: one seed per arm" in out
 
 
+def test_so_far_summarises_only_the_seeds_every_arm_finished(
+    bench, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench, "run_analysis", lambda *a: None)
+    argv = ["--so-far", "--seeds", "3", "--arms", "process,outcome", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit, match="no seed has finished in every arm"):
+        bench.main(argv)
+    arm_runs(tmp_path, "process", REF)  # every seed
+    arm_runs(tmp_path, "outcome", {42: 24, 43: 12}, coach={"backend": "outcome"})  # seed 44 still running
+    summary = bench.main(argv)
+    out = capsys.readouterr().out
+    assert summary["seeds"] == [42, 43] and summary["planned_seeds"] == 3 and summary["interim"]
+    assert summary["gaps"]["process-outcome"]["per_seed"] == pytest.approx([-12 / TASKS, 8 / TASKS])
+    assert "interim: 2 of 3 planned seeds" in out and (tmp_path / "interim.json").is_file()
+    assert not (tmp_path / "summary.json").exists()  # the final summary's name stays for the finished benchmark
+
+
 def test_one_seed_json_has_null_not_nan(tmp_path: Path) -> None:
     arm_runs(tmp_path, "process", {42: 12})
     arm_runs(tmp_path, "outcome", {42: 20}, coach={"backend": "outcome"})
