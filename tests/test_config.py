@@ -27,6 +27,16 @@ def test_overrides_parse_yaml_values(tmp_path):
     assert parse_override("coach.model=gpt-4o-mini") == ("coach.model", "gpt-4o-mini")
 
 
+def test_a_bare_off_means_the_mode_off(tmp_path):
+    # YAML 1.1 reads `off` as false: the modes named "off" take it, in a file and through --set
+    path = tmp_path / "c.yaml"
+    path.write_text("generation:\n  sampling_copy: off\ntrain:\n  cpu_autocast: off\n")
+    for cfg in (load_config(path), load_config(None, ["generation.sampling_copy=off", "train.cpu_autocast=off"])):
+        assert (cfg.generation.sampling_copy, cfg.train.cpu_autocast) == ("off", "off")
+    with pytest.raises(MappaError, match="train.cpu_autocast"):  # true is still no mode
+        load_config(None, ["train.cpu_autocast=true"])
+
+
 def test_unknown_key_names_key_and_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  stepz: 3\n")

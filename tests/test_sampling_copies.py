@@ -182,3 +182,55 @@ def test_a_run_sampling_from_bfloat16_copies_trains_and_resumes_exactly(tmp_path
     for agent in a.agents:
         for p, q in zip(a.trainable_parameters(agent), b.trainable_parameters(agent), strict=True):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+
+
+def _first_update_step(policy: Policy, actions: list) -> dict[str, float]:  # noqa: ANN001
+    """One optimizer step at learning rate 0 with the old log-probs *not* asked to be recomputed (a float32 update:
+    the tiny model is never autocast)."""
+    cfg = Config()
+    train = cfg.train.model_copy(update={"mini_batch_size": len(actions), "recompute_old_logprobs": False})
+    cfg = cfg.model_copy(update={"generation": cfg.generation.model_copy(update={"temperature": T}), "train": train})
+    opt = torch.optim.SGD(policy.trainable_parameters("solver"), lr=0.0)
+    steps: list[dict[str, float]] = []
+    update_group(policy, opt, actions, [10.0, 0.0, 5.0, 3.0, 8.0, 1.0], update_settings(cfg), on_step=steps.append)
+    return steps[0]
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_an_update_recomputes_what_a_bfloat16_copy_sampled(dtype: torch.dtype, monkeypatch) -> None:  # noqa: ANN001
+    """The run's config does not decide it: the update asks its policy whether generation's log-probs are its
+    forward pass's. After bfloat16 sampling they are not, so they are recomputed and the first step's ratio is 1;
+    float32 copies are exact and are used as they are."""
+    policy = make_policy()
+    perturb(policy, "solver", scale=0.3, seed=3)
+    policy.sample_from_copies(dtype)
+    assert policy.samples_exactly is (dtype == torch.float32)
+    actions = _actions(policy, 6, T)
+    step = _first_update_step(policy, actions)
+    assert step["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and abs(step["approx_kl"]) < 1e-6
+    if dtype == BF16:  # teeth: trusting the bfloat16 sampler's log-probs moves the ratio with no weight change
+        monkeypatch.setattr(Policy, "samples_exactly", property(lambda self: True))
+        trusted = _first_update_step(policy, actions)
+        assert abs(trusted["ratio_mean"] - 1.0) > 1e-4 or abs(trusted["approx_kl"]) > 1e-6
+
+
+@pytest.mark.parametrize(("mode", "exact"), [("bfloat16", False), ("float32", True), ("off", True)])
+def test_a_ray_rollout_worker_says_whether_its_logprobs_are_exact(mode: str, exact: bool, tmp_path) -> None:  # noqa: ANN001
+    """What a Ray cluster asks each rollout worker once (`RolloutWorker.samples_exactly`, in-process here): a worker
+    sampling from bfloat16 copies has every trainer recompute the old log-probs (`mappa.update.recomputing`),
+    whatever the trainers' own hardware would choose."""
+    from test_resume import TINY
+
+    from mappa.config import load_config
+    from mappa.distributed.actors import RolloutWorker
+    from mappa.update import UpdateJob, UpdateSettings, recomputing
+
+    cfg = load_config(None, [*TINY, f"generation.sampling_copy={mode}", f"run_dir={tmp_path}"])
+    worker = RolloutWorker(cfg, AGENTS, str(tmp_path), "cpu", 1, cfg.generation.base_url)
+    try:
+        assert worker.samples_exactly() is exact
+    finally:
+        worker.close()
+    settings = UpdateSettings(cfg.train, T, 0.1, recompute_old_logprobs=False, report_logprob_gap=False)
+    job = recomputing(UpdateJob([], [], 0, 1e-3, 0, settings))
+    assert job.settings.recompute_old_logprobs and job.settings.temperature == T and job.peak_lr == 1e-3

@@ -18,6 +18,12 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def yaml_off(value: Any) -> Any:
+    """A mode named "off" written bare (`sampling_copy: off`, `--set train.cpu_autocast=off`): YAML 1.1 reads it
+    as false, which was never meant as anything else."""
+    return "off" if value is False else value
+
+
 class ModelConfig(Section):
     name: str = Field(
         "smollm2-135m-instruct",
@@ -61,6 +67,7 @@ class GenerationConfig(Section):
         "2.3-2.5x with native bf16 (old log-probs then recomputed in the update's precision); auto: bfloat16 where the "
         "update runs under bf16 autocast (train.cpu_autocast), else off. Costs one base-sized copy per agent.",
     )
+    _sampling_copy_off = field_validator("sampling_copy", mode="before")(yaml_off)
     backend: Literal["local", "server"] = Field(
         "local",
         description="local: the trainer's own policy generates; server: an OpenAI-compatible LoRA server "

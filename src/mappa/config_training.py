@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from mappa.config_rollout import Section
+from mappa.config_rollout import Section, yaml_off
 
 
 class TrainConfig(Section):
@@ -47,6 +47,7 @@ class TrainConfig(Section):
         "pays (AMX or AVX-512 BF16, hidden size >= 256), 'bf16' always, 'off' never; under it the old log-probs are "
         "always recomputed. CUDA: ignored.",
     )
+    _cpu_autocast_off = field_validator("cpu_autocast", mode="before")(yaml_off)
     drop_truncated: bool = Field(True, description="Leave actions cut off by the token cap out of the loss.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0: only at start and end).")
     checkpoint_every: int = Field(1, ge=1, description="Checkpoint every N steps.")

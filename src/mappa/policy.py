@@ -230,6 +230,13 @@ class Policy:
 
     sampling_dtype: torch.dtype | None = None  # what `generate` samples in when it samples from copies
 
+    @property
+    def samples_exactly(self) -> bool:
+        """Whether `generate`'s log-probs are this policy's forward pass's (through the training modules, or a
+        copy in the weights' own dtype): if not, an update recomputes the old log-probs (`mappa.update`)."""
+        weights = next(self.model.parameters()).dtype
+        return self.sampling_dtype is None or self.sampling_dtype == weights
+
     @contextmanager
     def _sampler(self, agent: str | None) -> Iterator[torch.nn.Module]:
         """What `generate` runs: `agent`'s sampling copy, refilled if its weights changed, else `active`."""

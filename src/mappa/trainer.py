@@ -192,9 +192,10 @@ def setup(
 def update_settings(cfg: Config) -> UpdateSettings:
     """What the update reads of the run's config. A generation server samples with other kernels (maybe in
     another dtype), so its log-probs are never the ratio's reference: they are recomputed, and their gap to the
-    trainer's is reported. Nor are a bfloat16 sampling copy's (`mappa.sampling_copies`) under a float32 update."""
+    trainer's is reported. Nor are a bfloat16 sampling copy's (`mappa.sampling_copies`) under a float32 update:
+    the update asks its own policy (`Policy.samples_exactly`), and a Ray cluster its rollout workers'."""
     served = cfg.generation.backend == "server"
-    recompute = cfg.train.recompute_old_logprobs or served or cfg.generation.sampling_copy == "bfloat16"
+    recompute = cfg.train.recompute_old_logprobs or served
     return UpdateSettings(cfg.train, cfg.generation.temperature, cfg.workflow.score_scale, recompute, served)
 
 

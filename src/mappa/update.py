@@ -12,13 +12,14 @@ Every log-prob here (reference, rollout-time, current) is taken at `generation.t
 distribution the actions were sampled from (`mappa.decoding.scaled_logits`), as generation reports them.
 
 The update reads no run config: its caller resolves what it needs once into `UpdateSettings` (the trainer's
-`mappa.trainer.update_settings`), so this module knows nothing of where the actions were generated.
+`mappa.trainer.update_settings`), so this module knows nothing of where the actions were generated beyond
+what its policy says of its own sampling (`Policy.samples_exactly`) and what the job's settings say.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -180,7 +181,9 @@ def update_group(
         ref_logp, mask = _logprobs(policy, None, prompts, responses, t.micro_batch_size, temp)
     mask, ref_logp = mask.float(), ref_logp.float()
     batches = rl.minibatches(len(actions), t.mini_batch_size, t.epochs, seed)
-    if settings.recompute_old_logprobs or dtype is not None:
+    # generation's log-probs are the ratio's reference only if they are this forward's: not under autocast, not
+    # from a bfloat16 sampling copy of float32 weights, not from a server (`settings`, resolved by the run)
+    if settings.recompute_old_logprobs or dtype is not None or not policy.samples_exactly:
         with precision.autocast(dtype):
             if dtype is not None and sharding.rank_world()[1] == 1:  # bf16 moves with the layout (`_old_logprobs`)
                 old_logp = _old_logprobs(policy, actions, batches, settings)
@@ -230,6 +233,12 @@ class UpdateJob:
     peak_lr: float
     step: int  # steps done before this one: where the learning-rate schedule stands
     settings: UpdateSettings  # resolved once by the run, so a trainer actor needs no config to update
+
+
+def recomputing(job: UpdateJob) -> UpdateJob:
+    """`job` with its old log-probs recomputed by the trainer: its actions were sampled by another process from a
+    copy in another precision (a Ray rollout worker's bfloat16 sampling copy, a float32 trainer)."""
+    return replace(job, settings=replace(job.settings, recompute_old_logprobs=True))
 
 
 def apply_update(policy: Any, optimizer: torch.optim.Optimizer, job: UpdateJob) -> dict[str, float]:

@@ -151,6 +151,10 @@ class RolloutWorker:
         episodes = self.workflow.run(tasks, self.kit.runtime(), seed=seed)
         return episodes, generator.stats() if isinstance(generator, ServerPolicy) else {}
 
+    def samples_exactly(self) -> bool:
+        """Whether its episodes' log-probs are its policy's forward pass's (`Policy.samples_exactly`)."""
+        return self.kit.policy.samples_exactly
+
     def evaluate(self, tasks: Sequence[Task]) -> list[Episode]:
         from mappa.evaluate import evaluate
 

@@ -27,7 +27,7 @@ from mappa.errors import MappaError
 from mappa.metrics import episode_metrics
 from mappa.protocols import ProgressFn, StatusFn
 from mappa.types import Episode, Task
-from mappa.update import UpdateJob
+from mappa.update import UpdateJob, recomputing
 
 Place = Callable[[Config, Path, Sequence[str], dict[str, list[str]]], "Cluster"]
 RAY_MISSING = "--ray needs Ray: pip install 'mappa-rl[ray]'"
@@ -154,6 +154,8 @@ class Cluster:
             ).remote(cfg, agents, str(run_dir), device, r.worker_cpus, url)
             for i, url in enumerate(self.urls)
         ]
+        # a worker sampling from bfloat16 copies of float32 weights: its log-probs are no trainer's forward pass
+        self.workers_exact = all(get([w.samples_exactly.remote() for w in self.workers]))
         self.lead = self.trainers[next(iter(groups))]  # its first rank writes checkpoints and publishes adapters
         self.actors = [*(rank for ranks in self.trainers.values() for rank in ranks), *self.workers]
         self._weights = _Weights(self)  # what `mappa.checkpoint` saves and restores, held by the actors
@@ -235,6 +237,8 @@ class Cluster:
         """Every group's update at once, each on its trainer actor; the new weights wait for `step_sync`."""
         if status is not None:
             status(f"updating {len(jobs)} groups on their trainer actors")
+        if not self.workers_exact:
+            jobs = {g: recomputing(job) for g, job in jobs.items()}
         refs = {
             g: [rank.update.options(num_returns=2).remote(job) for rank in self.trainers[g]] for g, job in jobs.items()
         }
