@@ -234,3 +234,50 @@ def test_a_ray_rollout_worker_says_whether_its_logprobs_are_exact(mode: str, exa
     settings = UpdateSettings(cfg.train, T, 0.1, recompute_old_logprobs=False, report_logprob_gap=False)
     job = recomputing(UpdateJob([], [], 0, 1e-3, 0, settings))
     assert job.settings.recompute_old_logprobs and job.settings.temperature == T and job.peak_lr == 1e-3
+
+
+def test_a_copy_folded_with_the_wrong_scale_fails_the_self_test(monkeypatch) -> None:  # noqa: ANN001
+    """A bfloat16 copy is held to its own forward pass for the log-probs it reports, so that it holds the agent's
+    weights is checked apart: a fold that doubles each adapter's delta reports its own log-probs faithfully and
+    is still caught."""
+    from mappa import agent_weights, lora
+
+    def doubled(target: torch.nn.Module, peft_model, adapter: str | None) -> None:  # noqa: ANN001
+        lora.fold_adapter(target, peft_model, adapter)
+        if adapter is not None:
+            base = lora.plain_base(peft_model)
+            with torch.no_grad():
+                for w, b in zip(target.parameters(), base.parameters(), strict=True):
+                    w.copy_(2 * w - b.to(w.dtype))  # base + 2 x delta
+
+    policy = make_policy()
+    policy.sample_from_copies(BF16)
+    assert len(check_agents(policy, AGENTS, temperature=T)) == 3  # the right fold passes
+    monkeypatch.setattr(agent_weights, "fold_adapter", doubled)
+    wrong = make_policy()
+    wrong.sample_from_copies(BF16)
+    with pytest.raises(MappaError, match="'solver''s sampling copy does not hold its weights"):
+        check_agents(wrong, AGENTS, temperature=T)
+
+
+def test_bfloat16_copies_reporting_another_temperature_fail_the_self_test() -> None:
+    from test_sampling_temperature import RawLogprobs
+
+    policy = make_policy()
+    policy.sample_from_copies(BF16)
+    with pytest.raises(MappaError, match="temperature 0.7"):
+        check_agents(RawLogprobs(policy), AGENTS, temperature=T)
+
+
+@pytest.mark.slow  # the embedded model, ~1 min
+@pytest.mark.parametrize("seed", [61, 65])
+def test_the_self_test_passes_bfloat16_copies_of_the_embedded_model(seed: int) -> None:
+    """Seeds whose perturbed Code Executor, folded into bfloat16, reports log-probs 0.28-0.30 nats/token from the
+    float32 forward pass: a self-test that held the copy to that forward refused these runs before their first
+    step. Held to the copy's own forward (and the copy to the agent's weights), they pass."""
+    from mappa.config import load_config
+
+    cfg = load_config(None, [])
+    policy = Policy.from_config(cfg.model, ["problem_solver", "code_executor", "verifier"], seed=seed)
+    policy.sample_from_copies(BF16)
+    assert len(check_agents(policy, policy.agents, temperature=0.7)) == 3

@@ -312,13 +312,15 @@ class Policy:
         *,
         temperature: float = 1.0,
         entropy: bool = False,
+        sampler: bool = False,
     ) -> tuple[torch.Tensor, ...]:
         """Per-token log pi(response | prompt) for one micro-batch: (logp (B, T), mask (B, T)), right-padded
         over responses (padded entries are 0 with mask False). Differentiable w.r.t. the agent's weights
         when grad is enabled; the reference (None) never builds a graph. `temperature`: the one the
         responses were sampled at (`mappa.decoding.scaled_logits`), so these are the log-probs `generate`
         reported. `entropy`: also (B, T) the entropy of pi_T at each response position, from the same logits
-        (no gradient; 0 where mask is False), as a third tensor.
+        (no gradient; 0 where mask is False), as a third tensor. `sampler`: through what `generate` samples from
+        (the agent's sampling copy, when it has one) instead of the training modules, without gradient.
 
         Layout (`mappa.decoding.response_layout`): every response starts at the same column, which lets the
         LM head run on response positions only (logits_to_keep) instead of the prompt.
@@ -333,8 +335,8 @@ class Policy:
         input_ids, attn, position_ids, mask = decoding.response_layout(
             prompt_ids, response_ids, self.pad_id, self.device
         )
-        train_mode = self._checkpointing and torch.is_grad_enabled() and agent is not None
-        with self.active(agent) as module:
+        train_mode = self._checkpointing and torch.is_grad_enabled() and agent is not None and not sampler
+        with self._sampler(agent) if sampler else self.active(agent) as module:
             if train_mode:  # HF only checkpoints in train mode; Llama has no dropout, LoRA dropout is opt-in
                 module.train()
             try:

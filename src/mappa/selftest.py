@@ -73,22 +73,38 @@ def _groups(policy: Any, agents: Sequence[str]) -> dict[int, str]:
 
 def _check_generation(policy: Any, agent: str, seed: int, temperature: float) -> None:
     """Check 1c, with the agent's weights perturbed: generate's log-probs are the agent's at `temperature`,
-    not the base's, and not those of another temperature."""
+    not the base's, and not those of another temperature.
+
+    A policy that samples from bfloat16 copies (`Policy.samples_exactly` false) is held to the copy's own forward
+    pass: on the perturbed weights the copy's rounding alone moves log-probs by up to ~0.3 nats/token from the
+    float32 forward (measured on SmolLM2-135M over 30 seeds x 3 agents), as far as a temperature bug does, while
+    cached decoding against the copy's full forward stays below 0.11 and a temperature-1 report is above 0.16; that
+    the copy holds the agent's weights is checked apart, against the distance the perturbation moved them."""
     gen = policy.generate(agent, [_PROBE], max_new_tokens=8, temperature=temperature, seed=seed)[0]
     if not gen.response_ids:
         raise MappaError(f"self-test: agent {agent!r} generated no tokens")
-    own, m = policy.forward_logprobs(agent, [gen.prompt_ids], [gen.response_ids], temperature=temperature)
-    ref, _ = policy.forward_logprobs(None, [gen.prompt_ids], [gen.response_ids], temperature=temperature)
+    prompt, response = [gen.prompt_ids], [gen.response_ids]
+    own, m = policy.forward_logprobs(agent, prompt, response, temperature=temperature)
+    ref, _ = policy.forward_logprobs(None, prompt, response, temperature=temperature)
+    exact = policy.samples_exactly
+    sampled = (
+        own if exact else policy.forward_logprobs(agent, prompt, response, temperature=temperature, sampler=True)[0]
+    )
     reported = torch.tensor(gen.logprobs, dtype=own.dtype, device=own.device)[None]
-    # bf16 kernels (the model's, or a bfloat16 sampling copy's) differ from the forward pass; fp32 agrees closely
-    tol = 0.05 if own.dtype == torch.float32 and policy.sampling_dtype in (None, torch.float32) else 0.25
-    gap_own, gap_ref = _mean_abs(reported, own, m), _mean_abs(reported, ref, m)
-    if gap_ref < min(gap_own, tol) and _mean_abs(own, ref, m) >= 1e-4:  # closer to the base than to the agent
+    # float32 kernels agree closely; bfloat16 ones (the model's, or a sampling copy's) differ from their forward
+    tol = 0.05 if own.dtype == torch.float32 and exact else 0.15
+    gap_own, gap_ref, moved = _mean_abs(reported, own, m), _mean_abs(reported, ref, m), _mean_abs(own, ref, m)
+    if gap_ref < min(gap_own, tol) and moved >= 1e-4:  # closer to the base than to the agent
         raise MappaError(f"self-test: agent {agent!r} generates with the base weights, not its own")
-    if gap_own > tol:
+    if not exact and _mean_abs(sampled, own, m) > 0.5 * moved:
+        raise MappaError(
+            f"self-test: agent {agent!r}'s sampling copy does not hold its weights (its log-probs are "
+            f"{_mean_abs(sampled, own, m):.3f} nats/token from the agent's, which the test moved {moved:.3f} from the base)"
+        )
+    if (gap := _mean_abs(reported, sampled, m)) > tol:
         raise MappaError(
             f"self-test: agent {agent!r}: generate's log-probs differ from the forward pass at temperature "
-            f"{temperature:g} by {gap_own:.3f} nats/token (generation does not use the agent's weights, or "
+            f"{temperature:g} by {gap:.3f} nats/token (generation does not use the agent's weights, or "
             "reports log-probs misaligned or of another temperature)"
         )
 
