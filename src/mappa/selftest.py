@@ -91,8 +91,9 @@ def _check_generation(policy: Any, agent: str, seed: int, temperature: float) ->
         own if exact else policy.forward_logprobs(agent, prompt, response, temperature=temperature, sampler=True)[0]
     )
     reported = torch.tensor(gen.logprobs, dtype=own.dtype, device=own.device)[None]
-    # float32 kernels agree closely; bfloat16 ones (the model's, or a sampling copy's) differ from their forward
-    tol = 0.05 if own.dtype == torch.float32 and exact else 0.15
+    # float32 kernels agree closely; a bfloat16 copy's decoding differs from its forward (measured above); a model
+    # held in half precision (a GPU's) keeps the wider margin its kernels had before copies existed
+    tol = 0.25 if own.dtype != torch.float32 else 0.05 if exact else 0.15
     gap_own, gap_ref, moved = _mean_abs(reported, own, m), _mean_abs(reported, ref, m), _mean_abs(own, ref, m)
     if gap_ref < min(gap_own, tol) and moved >= 1e-4:  # closer to the base than to the agent
         raise MappaError(f"self-test: agent {agent!r} generates with the base weights, not its own")
