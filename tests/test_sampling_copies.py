@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 from test_policy import AGENTS, convs, make_policy, perturb
-from test_sampling_temperature import _actions
+from test_sampling_temperature import _actions, _first_step
 
 from mappa import sampling_copies
 from mappa.config import Config
@@ -184,18 +184,6 @@ def test_a_run_sampling_from_bfloat16_copies_trains_and_resumes_exactly(tmp_path
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
 
 
-def _first_update_step(policy: Policy, actions: list) -> dict[str, float]:  # noqa: ANN001
-    """One optimizer step at learning rate 0 with the old log-probs *not* asked to be recomputed (a float32 update:
-    the tiny model is never autocast)."""
-    cfg = Config()
-    train = cfg.train.model_copy(update={"mini_batch_size": len(actions), "recompute_old_logprobs": False})
-    cfg = cfg.model_copy(update={"generation": cfg.generation.model_copy(update={"temperature": T}), "train": train})
-    opt = torch.optim.SGD(policy.trainable_parameters("solver"), lr=0.0)
-    steps: list[dict[str, float]] = []
-    update_group(policy, opt, actions, [10.0, 0.0, 5.0, 3.0, 8.0, 1.0], update_settings(cfg), on_step=steps.append)
-    return steps[0]
-
-
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 def test_an_update_recomputes_what_a_bfloat16_copy_sampled(dtype: torch.dtype, monkeypatch) -> None:  # noqa: ANN001
     """The run's config does not decide it: the update asks its policy whether generation's log-probs are its
@@ -206,11 +194,11 @@ def test_an_update_recomputes_what_a_bfloat16_copy_sampled(dtype: torch.dtype, m
     policy.sample_from_copies(dtype)
     assert policy.samples_exactly is (dtype == torch.float32)
     actions = _actions(policy, 6, T)
-    step = _first_update_step(policy, actions)
+    step = _first_step(actions, T, recompute=False, policy=policy)
     assert step["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and abs(step["approx_kl"]) < 1e-6
     if dtype == BF16:  # teeth: trusting the bfloat16 sampler's log-probs moves the ratio with no weight change
         monkeypatch.setattr(Policy, "samples_exactly", property(lambda self: True))
-        trusted = _first_update_step(policy, actions)
+        trusted = _first_step(actions, T, recompute=False, policy=policy)
         assert abs(trusted["ratio_mean"] - 1.0) > 1e-4 or abs(trusted["approx_kl"]) > 1e-6
 
 

@@ -69,8 +69,9 @@ def _actions(policy, n: int, temperature: float) -> list[Action]:  # noqa: ANN00
     return [Action.sampled("solver", 0, c, g) for c, g in zip(chats, gens, strict=True)]
 
 
-def _first_step(actions: list[Action], temperature: float, recompute: bool) -> dict[str, float]:
-    """One optimizer step at learning rate 0 (no weight change) with `generation.temperature` set."""
+def _first_step(actions: list[Action], temperature: float, recompute: bool, policy=None) -> dict[str, float]:  # noqa: ANN001
+    """One optimizer step at learning rate 0 (no weight change) with `generation.temperature` set, on `policy`
+    (default: a fresh one with the solver perturbed as `_actions`' callers do)."""
     cfg = Config()
     cfg = cfg.model_copy(
         update={
@@ -80,8 +81,9 @@ def _first_step(actions: list[Action], temperature: float, recompute: bool) -> d
             ),
         }
     )
-    policy = make_policy()
-    perturb(policy, "solver", scale=0.3, seed=3)  # the agent is not the reference: the KL term is live
+    if policy is None:
+        policy = make_policy()
+        perturb(policy, "solver", scale=0.3, seed=3)  # the agent is not the reference: the KL term is live
     opt = torch.optim.SGD(policy.trainable_parameters("solver"), lr=0.0)
     steps: list[dict[str, float]] = []
     update_group(policy, opt, actions, [10.0, 0.0, 5.0, 3.0, 8.0, 1.0], update_settings(cfg), on_step=steps.append)
