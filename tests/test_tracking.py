@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -120,7 +121,9 @@ def test_wandb_offline_resumes_the_same_run_id(tmp_path: Path, monkeypatch: pyte
     meta = json.loads((run_dir / "run.json").read_text())
     assert meta["trackers"] == {"wandb": run_id} and meta["started"] == started  # new_run_dir's keys kept
     offline = sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))
-    assert len(offline) == 2 and all(name.endswith(f"-{run_id}") for name in offline)  # `wandb sync` joins them
+    # `wandb sync` joins them; two runs started within one second get a "-1" suffix after the run id
+    named = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?")
+    assert len(offline) == 2 and all(named.fullmatch(name) for name in offline)
 
 
 def test_mlflow_resumes_the_same_run_on_a_local_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
