@@ -16,7 +16,8 @@ It first prints a power calculation: from the last measured run (3 seeds x 32 ta
 how much it moves between seeds, the seeds and held-out tasks that tell such a gap from noise 80% of the time,
 the hours that takes, and the power of the size about to run (`--powered` runs at the calculated size,
 `--power-only` stops after it). Then each arm's final held-out accuracy (Wilson 95%) with the coach that scored
-it, and the gaps process - outcome and process - shared: first over seeds (one paired gain per seed, Student t
+it and what the arm's own training changed (start -> final on the same tasks, one paired gain per seed, t over seeds:
+right answers, and episodes ending with an answer at all), and the gaps process - outcome and process - shared: first over seeds (one paired gain per seed, Student t
 interval on seeds - 1 degrees of freedom, the number of seeds named), then per task (tasks x seeds pooled,
 Agresti-Min), which leaves the variation between seeds out; with one seed it says so. Then `mappa compare` and
 `mappa report` over the runs. Runs go under --out as <arm>-seed<S>; a finished run is reused and a killed one is
@@ -54,7 +55,7 @@ from mappa.analysis.compare import (
 )
 from mappa.analysis.stats import paired_t_power
 from mappa.config import load_config
-from mappa.metrics import wilson_interval
+from mappa.metrics import answered, correct, wilson_interval
 from mappa.types import Episode, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,6 +190,19 @@ def gap_lines(name: str, gain: ArmGain) -> list[str]:
         verdict = "beyond noise" if lo > 0 or hi < 0 else "within noise: the interval includes 0"
     lines = [f"{name}: {over_seeds_text(gain)}: {verdict}", f"  per task: {per_task_text(gain)}"]
     return [*lines, f"  WARNING: {ONE_SEED_WARNING}"] if gain.one_seed else lines
+
+
+def learned(start: dict[int, list[Episode]], final: dict[int, list[Episode]]) -> dict:
+    """What the arm's own training changed, start -> final on the same held-out tasks, over seeds: the right answers
+    and the episodes that end with an answer at all (the format), each a paired gain per seed."""
+    out = {}
+    for what, hit in (("accuracy", correct), ("answered", answered)):
+        g = seed_gain(start, final, hit)
+        (m, ci), p = g.over_seeds, g.per_task
+        print(f"    learned, {what}: {over_seeds_text(g)}")
+        out[f"learned_{what}"] = {"gain": m, "ci_over_seeds": None if g.one_seed else list(ci),
+                                  "per_seed": list(g.per_seed), "ci_per_task": list(p.gain_ci) if p else None}  # fmt: skip
+    return out
 
 
 def run_analysis(command: str, args: list[str]) -> None:
@@ -330,7 +344,7 @@ def summarise(
         print(f"  {arm:8s} {coach}: start {pct(k0, n)} -> final {pct(k1, n)}; per seed "
               f"{', '.join(f'{p:.0%}' for p in per_seed)}")  # fmt: skip
         summary["arms"][arm] = {"coach": coach, "start": k0 / n, "final": k1 / n, "episodes": n,
-                                "final_per_seed": per_seed}  # fmt: skip
+                                "final_per_seed": per_seed, **learned(start[arm], final[arm])}  # fmt: skip
     if "process" in arms:
         for other in (x for x in arms if x != "process"):
             gain = seed_gain(final[other], final["process"])  # other minus reference: process - other

@@ -189,6 +189,30 @@ def test_the_bench_gives_gaps_over_seeds_and_names_coaches(
         assert gap["ci_over_seeds"] is None and "WARNING: one seed per arm" in out
 
 
+def test_the_bench_says_what_each_arm_learned_over_seeds(
+    bench, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench, "run_analysis", lambda *a: None)
+    # per seed: (right, answered) at the start evaluation (step 1) and the final one (step 2)
+    plan = {42: ((4, 10), (8, 30)), 43: ((2, 20), (10, 30)), 44: ((6, 10), (8, 40))}
+    runs = {}
+    for s, evals in plan.items():
+        eps = [
+            make_episode(i, step, i < right, (5.0, 5.0, 5.0), answer="7" if i < said else None)
+            for step, (right, said) in zip((1, 2), evals, strict=True)
+            for i in range(TASKS)
+        ]
+        runs[("process", s)] = write_run(tmp_path / f"process-seed{s}", eps, seed=s)
+    arm = bench.summarise(tmp_path, ["process"], list(plan), runs)["arms"]["process"]
+    out = capsys.readouterr().out
+    acc, said = arm["learned_accuracy"], arm["learned_answered"]
+    assert acc["per_seed"] == pytest.approx([4 / TASKS, 8 / TASKS, 2 / TASKS])
+    assert said["per_seed"] == pytest.approx([20 / TASKS, 10 / TASKS, 30 / TASKS])
+    lo, hi = acc["ci_over_seeds"]
+    assert acc["gain"] == pytest.approx(14 / 3 / TASKS) and lo < 0 < acc["gain"] < hi  # 3 seeds, t on 2 d.f.: wide
+    assert "learned, accuracy: +11.7 pp" in out and "learned, answered: +50.0 pp" in out and "over 3 seeds" in out
+
+
 def test_so_far_summarises_only_the_seeds_every_arm_finished(
     bench, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ from mappa.analysis.runs import RunData
 from mappa.analysis.stats import Estimate, t_interval, welch_interval
 from mappa.config import config_from_dict
 from mappa.errors import MappaError
-from mappa.metrics import Gain, accuracy_gain
+from mappa.metrics import Gain, accuracy_gain, correct
 from mappa.types import Episode
 
 IGNORED = {"run_dir", "name"}  # settings that differ between any two runs
@@ -203,12 +203,17 @@ class ArmGain:
         return not math.isfinite(self.over_seeds[1][0])
 
 
-def _accuracy(episodes: Sequence[Episode]) -> float:
-    return sum(bool(e.correct) for e in episodes) / len(episodes) if episodes else float("nan")
+def _accuracy(episodes: Sequence[Episode], hit: Callable[[Episode], bool] = correct) -> float:
+    return sum(hit(e) for e in episodes) / len(episodes) if episodes else float("nan")
 
 
-def seed_gain(reference: Mapping[int, Sequence[Episode]], other: Mapping[int, Sequence[Episode]]) -> ArmGain:
-    """`other` minus `reference`, each a seed -> final-evaluation episodes map (task ids keyed by seed).
+def seed_gain(
+    reference: Mapping[int, Sequence[Episode]],
+    other: Mapping[int, Sequence[Episode]],
+    hit: Callable[[Episode], bool] = correct,
+) -> ArmGain:
+    """`other` minus `reference`, each a seed -> final-evaluation episodes map (task ids keyed by seed), in the
+    share of episodes that are right (or `hit`, e.g. `mappa.metrics.answered`).
 
     Paired over the seeds both ran when there are two or more of them: the spread of the per-seed gains holds
     the seed-to-seed variation and the task sampling within each seed, so the t interval counts both. Else
@@ -216,12 +221,12 @@ def seed_gain(reference: Mapping[int, Sequence[Episode]], other: Mapping[int, Se
     common = sorted(set(reference) & set(other))
     pooled_ref = [e for s in sorted(reference) for e in reference[s]]
     pooled_other = [e for s in sorted(other) for e in other[s]]
-    per_task = accuracy_gain(pooled_ref, pooled_other) if pooled_ref and pooled_other else None
+    per_task = accuracy_gain(pooled_ref, pooled_other, hit) if pooled_ref and pooled_other else None
     if len(common) >= 2 or (common and (len(reference) < 2 or len(other) < 2)):
-        gains = tuple(_accuracy(other[s]) - _accuracy(reference[s]) for s in common)
+        gains = tuple(_accuracy(other[s], hit) - _accuracy(reference[s], hit) for s in common)
         return ArmGain(tuple(common), True, gains, t_interval(gains), per_task)
-    a = [_accuracy(reference[s]) for s in sorted(reference)]
-    b = [_accuracy(other[s]) for s in sorted(other)]
+    a = [_accuracy(reference[s], hit) for s in sorted(reference)]
+    b = [_accuracy(other[s], hit) for s in sorted(other)]
     seeds = tuple(sorted(set(reference) | set(other)))
     return ArmGain(seeds, False, (), welch_interval(a, b), per_task)
 
