@@ -192,6 +192,24 @@ def gap_lines(name: str, gain: ArmGain) -> list[str]:
     return [*lines, f"  WARNING: {ONE_SEED_WARNING}"] if gain.one_seed else lines
 
 
+def start_differences(
+    start: dict[str, dict[int, list[Episode]]], arms: list[str], seeds: list[int]
+) -> dict[int, tuple[int, list[int]]]:
+    """Seeds whose start-of-training evaluation is not the same in every arm: how many episodes differ from the
+    first arm's (task, answer, verdict), and each arm's right answers."""
+
+    def outcomes(arm: str, seed: int) -> list[tuple[str, str | None, bool | None]]:
+        return [(e.task.id, e.final_answer, e.correct) for e in start[arm][seed]]
+
+    out = {}
+    for s in seeds:
+        ref = outcomes(arms[0], s)
+        n = max(sum(a != b for a, b in zip(ref, outcomes(arm, s), strict=True)) for arm in arms)
+        if n:
+            out[s] = (n, [sum(bool(e.correct) for e in start[arm][s]) for arm in arms])
+    return out
+
+
 def learned(start: dict[int, list[Episode]], final: dict[int, list[Episode]]) -> dict:
     """What the arm's own training changed, start -> final on the same held-out tasks, over seeds: the right answers
     and the episodes that end with an answer at all (the format), each a paired gain per seed."""
@@ -323,19 +341,16 @@ def summarise(
 ) -> dict:
     start, final = evals(runs, "start"), evals(runs, "final")
 
-    def outcomes(by_seed: dict[int, list[Episode]]) -> list[tuple[str, str | None, bool | None]]:
-        return [(e.task.id, e.final_answer, e.correct) for s in seeds for e in by_seed[s]]
-
-    same_start = all(outcomes(start[arm]) == outcomes(start[arms[0]]) for arm in arms)
     n_tasks = len(final[arms[0]][seeds[0]])
     print(f"\n{len(arms)} arms x {len(seeds)} seeds ({', '.join(map(str, seeds))}), {n_tasks} held-out tasks per seed")
-    print(
-        "start-of-training evaluation identical across arms: yes"
-        if same_start
-        else "WARNING: the arms' start-of-training evaluations differ (same base, tasks and seed should give the "
-        "same episodes): the comparison is not fair; check the runs"
-    )
-    summary: dict = {"seeds": seeds, "tasks_per_seed": n_tasks, "same_start": same_start, "arms": {}, "gaps": {}}
+    differ = start_differences(start, arms, seeds)
+    print("start-of-training evaluation identical across arms: " + ("yes" if not differ else "no"))
+    for seed, (n, right) in differ.items():
+        print(f"  WARNING: seed {seed}: {n} of {n_tasks} start episodes differ between arms (right answers "
+              f"{' vs '.join(map(str, right))}); the same base, tasks and seed should give the same episodes "
+              "unless an agent's program printed something that differs between processes (docs/analysis.md)")  # fmt: skip
+    summary: dict = {"seeds": seeds, "tasks_per_seed": n_tasks, "same_start": not differ, "arms": {}, "gaps": {},
+                     "start_differs": {s: n for s, (n, _) in differ.items()}}  # fmt: skip
     for arm in arms:
         s0, s1 = (sum(by_seed.values(), []) for by_seed in (start[arm], final[arm]))
         k0, k1, n = sum(bool(e.correct) for e in s0), sum(bool(e.correct) for e in s1), len(s1)

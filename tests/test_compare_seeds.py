@@ -196,15 +196,21 @@ def test_the_bench_says_what_each_arm_learned_over_seeds(
     # per seed: (right, answered) at the start evaluation (step 1) and the final one (step 2)
     plan = {42: ((4, 10), (8, 30)), 43: ((2, 20), (10, 30)), 44: ((6, 10), (8, 40))}
     runs = {}
-    for s, evals in plan.items():
-        eps = [
-            make_episode(i, step, i < right, (5.0, 5.0, 5.0), answer="7" if i < said else None)
-            for step, (right, said) in zip((1, 2), evals, strict=True)
-            for i in range(TASKS)
-        ]
-        runs[("process", s)] = write_run(tmp_path / f"process-seed{s}", eps, seed=s)
-    arm = bench.summarise(tmp_path, ["process"], list(plan), runs)["arms"]["process"]
+    for arm in ("process", "outcome"):
+        for s, evals in plan.items():
+            if arm == "outcome" and s == 44:  # this arm's start differs on 4 tasks: right 10, not 6
+                evals = ((10, 10), evals[1])
+            eps = [
+                make_episode(i, step, i < right, (5.0, 5.0, 5.0), answer="7" if i < said else None)
+                for step, (right, said) in zip((1, 2), evals, strict=True)
+                for i in range(TASKS)
+            ]
+            runs[(arm, s)] = write_run(tmp_path / f"{arm}-seed{s}", eps, seed=s)
+    summary = bench.summarise(tmp_path, ["process", "outcome"], list(plan), runs)
+    arm = summary["arms"]["process"]
     out = capsys.readouterr().out
+    assert not summary["same_start"] and summary["start_differs"] == {44: 4}
+    assert "seed 44: 4 of 40 start episodes differ between arms (right answers 6 vs 10)" in out
     acc, said = arm["learned_accuracy"], arm["learned_answered"]
     assert acc["per_seed"] == pytest.approx([4 / TASKS, 8 / TASKS, 2 / TASKS])
     assert said["per_seed"] == pytest.approx([20 / TASKS, 10 / TASKS, 30 / TASKS])
