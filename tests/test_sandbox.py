@@ -337,6 +337,14 @@ def test_environment_is_scrubbed(run, ws, monkeypatch):
     assert "OPENAI_API_KEY" not in r.stdout
 
 
+def test_printing_a_set_gives_the_same_order_in_every_run(conf, pool_sandbox, ws):
+    """A seeded run reproduces only if agent programs do: string hashing is fixed in every interpreter."""
+    code = "print({f'word{i}' for i in range(12)})"
+    cold = [run_python(code, ws, **{**LIMITS, "confinement": conf.kind}).stdout for _ in range(2)]
+    warm = pool_sandbox.run(code, ws).stdout
+    assert cold[0] == cold[1] == warm and cold[0].startswith("{'word")  # 12! orders: chance alone never agrees
+
+
 def test_no_network_access(conf, run, ws):
     if not conf.network_blocked:
         pytest.skip("`unshare -n` is not allowed here: the fallback leaves the network open (and says so)")

@@ -20,7 +20,8 @@ Each snippet runs in a forked child of a confined runner (see confine.py for the
   are kept (head and tail, with a marker saying how much was cut), so 100 MB of output costs no memory;
 - no network: a network namespace (bwrap, or `unshare -n` in the fallback). Where neither works the network
   stays open, and the confinement's one-line description says so;
-- environment: scrubbed to PATH/HOME/LANG and thread settings; no inherited API keys or tokens;
+- environment: scrubbed to PATH/HOME/LANG and thread settings; no inherited API keys or tokens; string hashing
+  fixed (PYTHONHASHSEED=0), so an agent's program prints a set in the same order in every run;
 - files: agent code sees an allowlist of the host (the system's /usr, a minimal /etc, the agent environment,
   its workspace, an empty /tmp, its own /dev/shm of at most `memory_mb`), nothing of the trainer's checkout,
   data, run directories or other workspaces; see confine.py and docs/sandbox.md for the threat model;

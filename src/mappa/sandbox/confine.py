@@ -84,6 +84,9 @@ def sandbox_env(workspace: Path | str, bin_dir: str | None = None) -> dict[str, 
         "LC_ALL": "C.UTF-8",
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONNOUSERSITE": "1",
+        # The same string hashes in every run: an agent that prints a set prints it in the same order, so a seeded
+        # run reproduces (agent output feeds the next prompts). Hash flooding needs an attacker outside the process.
+        "PYTHONHASHSEED": "0",
         # One thread each: the pool forks safely and concurrent snippets do not fight over the cores.
         "OPENBLAS_NUM_THREADS": "1",
         "OMP_NUM_THREADS": "1",
@@ -123,11 +126,12 @@ class Confinement:
         return self.env.python_at(AGENT_ROOT if self.hides_host else None)
 
     def runner_argv(self, *args: str) -> list[str]:
-        # -E/-s: ignore PYTHON* variables and the user site; -B: no .pyc writes (the tree is read-only anyway).
-        # The fallback starts the runner on the host; with `--root` it re-executes itself inside the new root.
+        # -s: no user site; -B: no .pyc writes (the tree is read-only anyway). Not -E: the environment is all
+        # `sandbox_env`'s (nothing inherited), and its PYTHONHASHSEED must apply. The fallback starts the runner
+        # on the host; with `--root` it re-executes itself inside the new root.
         if self.kind == "fallback":
-            return [self.env.python, "-E", "-s", "-B", str(RUNNER), *args]
-        return [self.python, "-E", "-s", "-B", RUNNER_INSIDE, *args]
+            return [self.env.python, "-s", "-B", str(RUNNER), *args]
+        return [self.python, "-s", "-B", RUNNER_INSIDE, *args]
 
     def environ(self, workspace: Path | str) -> dict[str, str]:
         return sandbox_env(workspace, os.path.dirname(self.python))

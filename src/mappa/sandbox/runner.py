@@ -72,7 +72,7 @@ def main(argv: list[str]) -> None:
         root = json.loads(argv[1])
         build_root(root["ops"])
         # Start again from inside: the agent environment's paths are those of the new root from now on.
-        os.execv(root["python"], [root["python"], "-E", "-s", "-B", root["runner"], *argv[2:]])
+        os.execv(root["python"], [root["python"], "-s", "-B", root["runner"], *argv[2:]])  # flags: runner_argv's
     mode = argv[0]
     if mode == "once":
         main_once(int(argv[1]), int(argv[2]), json.loads(argv[3]))
