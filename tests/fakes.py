@@ -23,7 +23,7 @@ class ScriptedPolicy:
         self.tokenizer = tiny_tokenizer()
         self.reply = reply
         self.calls: list[tuple[str | None, int]] = []  # (agent, conversations) per generate call
-        self.seeds: list[int | None] = []  # the sampling seed of each generate call
+        self.seeds: list[int | Sequence[int] | None] = []  # the sampling seed(s) of each generate call
 
     def chat_ids(self, messages: Sequence[Message]) -> list[int]:
         text = self.tokenizer.apply_chat_template(
@@ -41,7 +41,7 @@ class ScriptedPolicy:
         max_new_tokens: int = 256,
         max_context_tokens: int | None = None,
         top_logprobs: int = 0,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
         batch_size: int | None = None,
     ) -> list[Generation]:
         self.calls.append((agent, len(conversations)))

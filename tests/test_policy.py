@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from mappa import decoding
 from mappa.decoding import response_layout, token_logprobs
 from mappa.errors import MappaError
 from mappa.lora import adapter_names
@@ -132,6 +133,46 @@ def test_seed_makes_sampling_reproducible_and_leaves_the_global_rng_alone():
     c = policy.generate("solver", convs(4), max_new_tokens=12, seed=8)
     assert [g.response_ids for g in a] == [g.response_ids for g in b]
     assert [g.response_ids for g in a] != [g.response_ids for g in c]
+
+
+def test_a_seeded_conversation_samples_the_same_whatever_else_is_in_the_call():
+    """One episode's change (a different prompt, an extra or a missing row) must not move another's draws."""
+    policy = make_policy()
+    a, others = convs(6)[0], convs(6)[1:]
+    kw = {"max_new_tokens": 12, "temperature": 1.0, "batch_size": 8}
+    alone = policy.generate("solver", [a], seed=[11], **kw)[0]
+    with_two = policy.generate("solver", [others[0], a, others[2]], seed=[5, 11, 6], **kw)[1]
+    with_four = policy.generate("solver", [*others[1:], a], seed=[1, 2, 3, 4, 11], **kw)[4]
+    assert alone.response_ids == with_two.response_ids == with_four.response_ids
+    other_seed = policy.generate("solver", [a], seed=[12], **kw)[0]
+    assert other_seed.response_ids != alone.response_ids  # the row's own seed decides its draws
+    # one seed for the call: rows draw from distinct streams by position, so equal prompts differ
+    twins = policy.generate("solver", [a, a, a], seed=7, **kw)
+    assert len({g.response_ids for g in twins}) == 3
+    with pytest.raises(ValueError, match="3 rows but 2 seeds"):
+        policy.generate("solver", [a, a, a], seed=[1, 2], **kw)
+
+
+def test_inverse_cdf_gives_each_index_its_share_and_never_a_zero():
+    probs = torch.tensor([[0.0, 1.0, 0.0, 0.5, 0.5]])  # any total: shares 1/2, 1/4, 1/4
+    u = torch.arange(10_000, dtype=torch.float64) / 10_000  # evenly spread over [0, 1), 0 included
+    picks = decoding.inverse_cdf(probs.expand(10_000, -1), u)
+    assert torch.bincount(picks, minlength=5).tolist() == [0, 5000, 0, 2500, 2500]
+    assert decoding.inverse_cdf(probs, torch.tensor([1 - 2**-53], dtype=torch.float64)).item() == 4
+
+
+def test_sampling_draws_the_tempered_distribution_within_top_p():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    n, temperature = 20_000, 0.7
+    rows = [decoding.DecodeRow(i, [1], 1) for i in range(n)]
+    gen = torch.Generator().manual_seed(0)
+    picks = decoding._sample(logits.expand(n, -1), temperature, 1.0, gen, rows)
+    want = torch.softmax(logits / temperature, -1)
+    got = torch.bincount(picks, minlength=6) / n
+    assert ((got - want).abs() <= 4 * (want * (1 - want) / n).sqrt() + 1e-4).all(), (got, want)
+    nucleus = decoding._sample(logits.expand(n, -1), temperature, 0.8, gen, rows)
+    kept = int((want.cumsum(0) - want < 0.8).sum())  # tokens whose preceding mass is below top_p
+    assert set(nucleus.tolist()) == set(range(kept)) and kept < 6
 
 
 def test_tiny_top_p_is_greedy_and_top_logprobs_are_sorted():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,7 @@ from mappa.protocols import Runtime
 from mappa.sandbox import Sandbox
 from mappa.types import CoachContext, CoachScore, Episode, ExecResult, Message, Task
 from mappa.workflows import WORKFLOWS, MathChat, build_workflow, feedback_note
+from mappa.workflows.base import ActionCount, Batch, EpisodeState
 
 
 class RecordingSandbox(Sandbox):
@@ -274,13 +276,29 @@ def test_progress_and_stage_seeds(sandbox: RecordingSandbox) -> None:
     # 2 episodes x 4 possible actions; both Code Executors stop after one turn, so the total shrinks to 6.
     assert seen[0] == (2, 8) and seen[-1] == (6, 6) and all(d <= t for d, t in seen)
     first = list(policy.seeds)
-    assert len(set(first)) == len(first) and None not in first  # one fresh seed per stage
+    flat = [s for stage in first for s in stage]
+    assert len(set(flat)) == len(flat) and None not in flat  # a fresh seed per stage and episode
+    assert [len(stage) for stage in first] == [c for _, c in policy.calls]  # one per conversation of the call
     policy.seeds.clear()
     run(policy, [task(), task(tid="u")], sandbox, seed=7)
     assert policy.seeds == first  # the same seed, the same draws
     policy.seeds.clear()
     run(policy, [task()], sandbox)
     assert set(policy.seeds) == {None}  # no seed: the policy's own randomness
+
+
+def test_an_episode_keeps_its_stage_seeds_whichever_others_still_run(tmp_path: Path) -> None:
+    """Seeds follow the episode's place in the batch, not its place in the stage: when another episode has
+    stopped (or did something else), the ones still running draw as they would have."""
+    states = [EpisodeState(f"t#{i}", task(tid=f"t{i}"), tmp_path) for i in range(3)]
+
+    def batch() -> Batch:
+        return Batch(None, GEN, states, ActionCount(None, 3), random.Random(3))  # type: ignore[arg-type]
+
+    every, some = batch().stage_seeds(states), batch().stage_seeds([states[0], states[2]])
+    assert some == [every[0], every[2]] and len(set(every)) == 3
+    assert batch().stage_seeds(states[::-1]) == every[::-1]
+    assert Batch(None, GEN, states, ActionCount(None, 3), None).stage_seeds(states) is None  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------- context cap

@@ -191,7 +191,8 @@ class CoderReviewer:
         g = self.gen
         generations = batch.rt.policy.generate(
             spec.name, prompts, temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens,
-            max_context_tokens=g.max_context_tokens, seed=batch.stage_seed(), batch_size=g.batch_size,
+            max_context_tokens=g.max_context_tokens, seed=batch.stage_seeds([t.state for t in live]),
+            batch_size=g.batch_size,
         )  # fmt: skip
         return list(zip(live, generations, strict=True))
 

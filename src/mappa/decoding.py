@@ -58,6 +58,8 @@ class DecodeRow:
     prompt: list[int]
     max_new_tokens: int
     top_k: int = 0  # top_logprobs kept per token
+    # The row's own sampler: it draws the same tokens whatever else is in the batch (None: the batch's `Sampling`)
+    generator: torch.Generator | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     tops: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
@@ -138,8 +140,15 @@ def token_logprobs(
         return logp, logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
-    """(b, V) logits -> (b,) token ids: greedy at temperature 0, else temperature + nucleus sampling."""
+def _sample(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None, rows: list[DecodeRow]
+) -> torch.Tensor:
+    """(b, V) logits -> (b,) token ids: greedy at temperature 0, else temperature + nucleus sampling. A row with a
+    generator of its own draws from it alone; the others share `generator`.
+
+    One uniform per row through the inverse of the row's CDF (float64, so even a 1e-12 token keeps its share):
+    torch.multinomial draws V exponentials per row, 5x slower at the embedded model's vocabulary (bench_sampler.py).
+    """
     if temperature <= 0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits / temperature, dim=-1)
@@ -149,7 +158,22 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: t
         drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, sorted_i, sorted_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    u = torch.empty(len(rows), dtype=torch.float64, device=logits.device)
+    shared = [j for j, r in enumerate(rows) if r.generator is None]
+    if shared:
+        u[shared] = torch.rand(len(shared), generator=generator, dtype=torch.float64, device=logits.device)
+    for j, r in enumerate(rows):
+        if r.generator is not None:
+            u[j] = torch.rand((), generator=r.generator, dtype=torch.float64, device=logits.device)
+    return inverse_cdf(probs, u)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(b, V) non-negative weights (any total), (b,) uniforms in [0, 1) -> (b,) the index where each row's CDF
+    first exceeds its uniform times the total: index i with probability probs[i] / total (a 0 is never drawn)."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    x = (u * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
 
 
 def sample_step(
@@ -166,7 +190,7 @@ def sample_step(
     those of the distribution sampled from: the logits at the sampling temperature (`scaled_logits`).
     """
     logp = torch.log_softmax(scaled_logits(logits, sampling.temperature), dim=-1)
-    tok = _sample(logits, sampling.temperature, sampling.top_p, sampling.generator)
+    tok = _sample(logits, sampling.temperature, sampling.top_p, sampling.generator, rows)
     tok_lp = logp.gather(1, tok[:, None]).squeeze(1)
     k = min(max(r.top_k for r in rows), logp.shape[-1])
     if k:

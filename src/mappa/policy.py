@@ -40,6 +40,7 @@ from mappa.errors import MappaError
 from mappa.lora import DEFAULT_TARGET_MODULES, LoraSettings
 from mappa.models import load_base_model, portable_init_kwargs
 from mappa.policy_files import Manifest
+from mappa.protocols import row_seeds
 from mappa.types import Message
 
 if TYPE_CHECKING:
@@ -276,28 +277,32 @@ class Policy:
         max_new_tokens: int = 256,
         max_context_tokens: int | None = None,
         top_logprobs: int = 0,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
         batch_size: int | None = None,
     ) -> list[Generation]:
         """Sample one response per conversation with `agent`'s weights (None: the reference).
 
-        Conversations are sorted by prompt length and run in batches of `batch_size` (default: the
-        policy's `generation_batch_size`) with a KV cache; each sequence stops at its own EOS (the
-        tokenizer's EOS or <|im_end|>), finished rows leave the batch. Results come back in input
-        order. temperature 0 is greedy. A prompt longer than `max_context_tokens` raises MappaError
-        (prompts are never silently cut: the agent would act on a context it never saw). `seed` makes
-        sampling reproducible without touching the global RNG.
+        Conversations are sorted by prompt length and run in batches of `batch_size` (default: the policy's
+        `generation_batch_size`) with a KV cache; each sequence stops at its own EOS (the tokenizer's EOS or
+        <|im_end|>), finished rows leave the batch. Results come back in input order. temperature 0 is greedy. A
+        prompt longer than `max_context_tokens` raises MappaError (prompts are never silently cut: the agent would
+        act on a context it never saw). `seed` (one per conversation, or one for the call: `row_seeds`) makes
+        sampling reproducible without the global RNG; each conversation draws from its own generator, so its tokens
+        do not depend on what else is in the call.
         """
         if max_new_tokens < 1:
             raise MappaError(f"generation.max_new_tokens must be >= 1 (got {max_new_tokens})")
         prompts = [self.chat_ids(c) for c in conversations]
         decoding.check_context(prompts, max_context_tokens, agent or "reference")
         batches = decoding.length_batches([len(p) for p in prompts], batch_size or self.generation_batch_size)
-        sampling = decoding.Sampling(temperature, top_p, decoding.seeded_generator(seed, self.device))
+        sampling = decoding.Sampling(temperature, top_p)
+        gens = [decoding.seeded_generator(s, self.device) for s in row_seeds(seed, len(prompts))]
         done: dict[Hashable, Generation] = {}
         with torch.no_grad(), self._sampler(agent) as module:
             for batch in batches:
-                rows = [decoding.DecodeRow(i, prompts[i], max_new_tokens, top_logprobs) for i in batch]
+                rows = [
+                    decoding.DecodeRow(i, prompts[i], max_new_tokens, top_logprobs, generator=gens[i]) for i in batch
+                ]
                 done.update(decoding.decode(module, rows, sampling, self.pad_id, self.eos_ids, self.tokenizer))
         return [done[i] for i in range(len(prompts))]
 

@@ -38,6 +38,23 @@ class GenerationLike(Protocol):
     def truncated(self) -> bool: ...  # hit the token cap without EOS
 
 
+def row_seed(seed: int, row: int) -> int:
+    """The seed of row `row` of a call seeded with `seed`: distinct per row, so equal prompts do not sample alike."""
+    return (seed * 1_000_003 + row) % 2**63
+
+
+def row_seeds(seed: int | Sequence[int] | None, n: int) -> list[int | None]:
+    """One seed per row of an `n`-row call: None (unseeded), one call seed spread over the rows by position
+    (`row_seed`), or the rows' own seeds as given."""
+    if seed is None:
+        return [None] * n
+    if isinstance(seed, int):
+        return [row_seed(seed, i) for i in range(n)]
+    if len(seed) != n:
+        raise ValueError(f"{n} rows but {len(seed)} seeds")
+    return list(seed)
+
+
 class PolicyLike(Protocol):
     """What a workflow needs of the agents' weights: count prompt tokens, sample replies per agent."""
 
@@ -52,7 +69,9 @@ class PolicyLike(Protocol):
         top_p: float,
         max_new_tokens: int,
         max_context_tokens: int | None,  # a longer prompt is an error, never silently cut
-        seed: int | None,  # reproducible sampling without the global RNG
+        seed: int
+        | Sequence[int]
+        | None,  # reproducible sampling without the global RNG; a sequence: one per conversation
         batch_size: int | None,
     ) -> Sequence[GenerationLike]: ...
 

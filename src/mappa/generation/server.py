@@ -35,6 +35,7 @@ import httpx
 from mappa.decoding import check_context
 from mappa.errors import MappaError
 from mappa.generation.adapters import adapter_name
+from mappa.protocols import row_seeds
 from mappa.types import Message
 
 DROP_REASONS = ("prompt_mismatch", "retokenize_mismatch")
@@ -154,7 +155,7 @@ class ServerPolicy:
         top_p: float = 1.0,
         max_new_tokens: int = 256,
         max_context_tokens: int | None = None,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
         batch_size: int | None = None,
     ) -> list[ServedGeneration]:
         """One response per conversation from the server, in input order (`batch_size` is the server's
@@ -166,8 +167,7 @@ class ServerPolicy:
         body.update(logprobs=True, return_token_ids=True)
         if self.chat_template_kwargs:
             body["chat_template_kwargs"] = self.chat_template_kwargs
-        # One seed per request, drawn from the call's: equal prompts in one call must not sample alike.
-        seeds = [None if seed is None else (seed * 1_000_003 + i) % 2**63 for i in range(len(prompts))]
+        seeds = row_seeds(seed, len(prompts))  # one per request: equal prompts in one call must not sample alike
         jobs = [
             self._pool.submit(self._one, {**body, "messages": _wire(c), "seed": s}, p, version)
             for c, p, s in zip(conversations, prompts, seeds, strict=True)

@@ -74,7 +74,6 @@ class Decoder:
         self._attn: torch.Tensor | None = None  # (B, L) 1 where a row has a real token
         self._pos: torch.Tensor | None = None  # (B,) position id of each row's next token
         self._logits: torch.Tensor | None = None  # (B, V) next-token logits, float32
-        self._generators: dict[Any, torch.Generator] = {}  # row key -> its own seeded sampler (requests with a seed)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -107,16 +106,17 @@ class Decoder:
         prompts = [list(p) for p in prompts]
         if min(len(p) for p in prompts) == 0:
             raise ValueError("empty prompt")
-        for key, seed in zip(keys, seeds or [None] * len(keys), strict=True):
-            if seed is not None:
-                self._generators[key] = seeded_generator(seed, self.policy.device)
+        gens = [seeded_generator(seed, self.policy.device) for seed in seeds or [None] * len(keys)]
         done = _prefill_blocks(self.module, prompts, self.prefix_cache, self.owner)
         if done is None:  # sliding-window layers: one padded batch that takes no newcomers
             self._cache, self._logits, self._attn, self._pos = prefill_padded(self.module, prompts, self.policy.pad_id)
-            self._rows = [DecodeRow(k, p, max_new_tokens, top_logprobs) for k, p in zip(keys, prompts, strict=True)]
+            self._rows = [
+                DecodeRow(k, p, max_new_tokens, top_logprobs, generator=g)
+                for k, p, g in zip(keys, prompts, gens, strict=True)
+            ]
             return
         order, blocks, container, logits = done
-        rows = [DecodeRow(keys[i], prompts[i], max_new_tokens, top_logprobs) for i in order]
+        rows = [DecodeRow(keys[i], prompts[i], max_new_tokens, top_logprobs, generator=gens[i]) for i in order]
         lengths = torch.tensor([len(prompts[i]) for i in order], device=logits.device)
         width = int(lengths.max())
         attn = (torch.arange(width, device=logits.device)[None, :] >= (width - lengths)[:, None]).long()
@@ -141,9 +141,7 @@ class Decoder:
         """Sample the next token of every running row; return the rows that finished with it."""
         if not self._rows:
             return []
-        tok, finished, keep = self._sample()
-        for key, _ in finished:
-            self._generators.pop(key, None)
+        tok, finished, keep = sample_step(self._rows, self._logits, self.sampling, self._eos, self.policy.tokenizer)
         if not keep:
             self._rows, self._cache, self._attn, self._pos, self._logits = [], None, None, None, None
             return finished
@@ -170,8 +168,6 @@ class Decoder:
         keep = [j for j, r in enumerate(self._rows) if r.key not in keys]
         if len(keep) == len(self._rows):
             return
-        for key in keys:
-            self._generators.pop(key, None)
         if not keep:
             self._rows, self._cache, self._attn, self._pos, self._logits = [], None, None, None, None
             return
@@ -181,26 +177,6 @@ class Decoder:
     def running(self) -> list[DecodeRow]:
         """The rows still decoding, with the tokens (and logprobs) sampled so far."""
         return list(self._rows)
-
-    def _sample(self) -> tuple[torch.Tensor, list[tuple[Any, Generation]], list[int]]:
-        """`sample_step` over the batch; rows with their own generator sample apart, each from its generator."""
-        if not self._generators:
-            return sample_step(self._rows, self._logits, self.sampling, self._eos, self.policy.tokenizer)
-        shared = [j for j, r in enumerate(self._rows) if r.key not in self._generators]
-        groups = [shared] if shared else []
-        groups += [[j] for j, r in enumerate(self._rows) if r.key in self._generators]
-        tok = torch.empty(len(self._rows), dtype=torch.long, device=self._logits.device)
-        finished: list[tuple[Any, Generation]] = []
-        keep: list[int] = []
-        for idx in groups:
-            gen = self._generators.get(self._rows[idx[0]].key, self.sampling.generator)
-            sampling = Sampling(self.sampling.temperature, self.sampling.top_p, gen)
-            rows = [self._rows[j] for j in idx]
-            t, done, kept = sample_step(rows, self._logits[idx], sampling, self._eos, self.policy.tokenizer)
-            tok[idx] = t
-            finished += done
-            keep += [idx[i] for i in kept]
-        return tok, finished, sorted(keep)
 
     def _select(self, keep: list[int]) -> None:
         """Keep only rows `keep`, then drop leading columns that are padding for every remaining row."""

@@ -21,7 +21,7 @@ from typing import Any
 
 from mappa.config import GenerationConfig
 from mappa.errors import MappaError
-from mappa.protocols import PolicyLike, ProgressFn, Runtime, Scorer
+from mappa.protocols import PolicyLike, ProgressFn, Runtime, Scorer, row_seed
 from mappa.sandbox import new_workspace, remove_workspace
 from mappa.sandbox.codeblocks import format_observation
 from mappa.types import Action, CoachContext, CoachScore, ExecResult, Message, Task
@@ -114,7 +114,17 @@ class Batch:
     rng: random.Random | None  # draws one sampling seed per stage; None: the policy's own randomness
 
     def stage_seed(self) -> int | None:
+        """One sampling seed for the next stage (None: unseeded); `stage_seeds` gives each episode its own."""
         return None if self.rng is None else self.rng.randrange(2**63)
+
+    def stage_seeds(self, states: Sequence[EpisodeState]) -> list[int] | None:
+        """One sampling seed per episode for the next stage, from the stage's seed and the episode's place in the
+        batch (not in the stage's list): an episode samples the same whichever others are still running."""
+        stage = self.stage_seed()
+        if stage is None:
+            return None
+        place = {id(s): i for i, s in enumerate(self.states)}
+        return [row_seed(stage, place[id(s)]) for s in states]
 
 
 def play_batch(
@@ -239,7 +249,7 @@ def run_stage(
         top_p=gen.top_p,
         max_new_tokens=gen.max_new_tokens,
         max_context_tokens=gen.max_context_tokens,
-        seed=batch.stage_seed(),
+        seed=batch.stage_seeds([turn.state for turn, _ in live]),
         batch_size=gen.batch_size,
     )
     codes: list[str | None] = [None] * len(live)
