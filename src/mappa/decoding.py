@@ -147,7 +147,7 @@ def _sample(
     generator of its own draws from it alone; the others share `generator`.
 
     One uniform per row through the inverse of the row's CDF (float64, so even a 1e-12 token keeps its share):
-    torch.multinomial draws V exponentials per row, 5x slower at the embedded model's vocabulary (bench_sampler.py).
+    torch.multinomial draws V exponentials per row, 3-4x slower at the embedded model's vocabulary (bench_sampler.py).
     """
     if temperature <= 0:
         return logits.argmax(dim=-1)

@@ -69,9 +69,8 @@ class PolicyLike(Protocol):
         top_p: float,
         max_new_tokens: int,
         max_context_tokens: int | None,  # a longer prompt is an error, never silently cut
-        seed: int
-        | Sequence[int]
-        | None,  # reproducible sampling without the global RNG; a sequence: one per conversation
+        # reproducible sampling without the global RNG: one seed for the call, or one per conversation (`row_seeds`)
+        seed: int | Sequence[int] | None,
         batch_size: int | None,
     ) -> Sequence[GenerationLike]: ...
 
