@@ -152,9 +152,14 @@ def test_sharded_trainers_take_the_unsharded_steps_and_resume(ray_cluster: str, 
     assert names(run_dir) == names(ray_run)
     a = Policy.from_checkpoint(latest_checkpoint(run_dir) / "policy", device="cpu")
     b = Policy.from_checkpoint(latest_checkpoint(ray_run) / "policy", device="cpu")
+    # Sharded gradients are summed in another order; where a gradient is near 0, AdamW's g / sqrt(v) turns that
+    # last-bit difference into up to a fraction of lr (1e-2 here): measured once 2.2e-5 on 1 element of 512. So
+    # nearly every element agrees to float32 rounding and none is off by more than 1% of lr; a wrong shard or a
+    # lost gradient moves whole tensors by about lr.
     for agent in a.agents:
         for p, q in zip(a.trainable_parameters(agent), b.trainable_parameters(agent), strict=True):
-            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+            off = ~torch.isclose(p, q, rtol=1e-4, atol=1e-6)
+            assert off.float().mean() <= 0.01 and (p - q).abs().max() <= 1e-4, (agent, int(off.sum()), p.numel())
 
     train(tiny(run_dir, *sharded, "train.steps=3"), run_dir, resume=True, place=placement("local"))
     assert [r["step"] for r in read_metrics(run_dir) if "time/rollout_s" in r] == [1, 2, 3]
@@ -215,9 +220,14 @@ def test_sigkill_mid_run_then_resume_on_ray(ray_cluster: str, ray_run: Path, tmp
     assert steps == [1] * 2 + [2] * 2
     a = Policy.from_checkpoint(latest_checkpoint(run_dir) / "policy", device="cpu")
     b = Policy.from_checkpoint(latest_checkpoint(ray_run) / "policy", device="cpu")
+    # Sharded gradients are summed in another order; where a gradient is near 0, AdamW's g / sqrt(v) turns that
+    # last-bit difference into up to a fraction of lr (1e-2 here): measured once 2.2e-5 on 1 element of 512. So
+    # nearly every element agrees to float32 rounding and none is off by more than 1% of lr; a wrong shard or a
+    # lost gradient moves whole tensors by about lr.
     for agent in a.agents:
         for p, q in zip(a.trainable_parameters(agent), b.trainable_parameters(agent), strict=True):
-            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+            off = ~torch.isclose(p, q, rtol=1e-4, atol=1e-6)
+            assert off.float().mean() <= 0.01 and (p - q).abs().max() <= 1e-4, (agent, int(off.sum()), p.numel())
 
 
 def _gpu_check():
