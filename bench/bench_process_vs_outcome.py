@@ -16,8 +16,9 @@ It first prints a power calculation: from the last measured run (3 seeds x 32 ta
 how much it moves between seeds, the seeds and held-out tasks that tell such a gap from noise 80% of the time,
 the hours that takes, and the power of the size about to run (`--powered` runs at the calculated size,
 `--power-only` stops after it). Then each arm's final held-out accuracy (Wilson 95%) with the coach that scored
-it and what the arm's own training changed (start -> final on the same tasks, one paired gain per seed, t over seeds:
-right answers, and episodes ending with an answer at all), and the gaps process - outcome and process - shared: first over seeds (one paired gain per seed, Student t
+it and what the arm's own training changed (start -> final on the same tasks, one paired gain per seed, t over
+seeds: right answers, and episodes ending with an answer at all), and the gaps process - outcome and process -
+shared: first over seeds (one paired gain per seed, Student t
 interval on seeds - 1 degrees of freedom, the number of seeds named), then per task (tasks x seeds pooled,
 Agresti-Min), which leaves the variation between seeds out; with one seed it says so. Then `mappa compare` and
 `mappa report` over the runs. Runs go under --out as <arm>-seed<S>; a finished run is reused and a killed one is
