@@ -5,19 +5,26 @@ score. Prints the median latency of each way, their ratio (target: warm pool >= 
 throughput of 64 snippets at concurrency 2 through the pool (and of 8 cold ones, for comparison).
 
     .venv/bin/python bench/bench_sandbox.py [--cold-runs 5] [--warm-runs 20] [--many 64] [--confinement fallback]
+    .venv/bin/python bench/bench_sandbox.py --against REV [--rounds 6]
 
 Runs at the default limits (memory_mb=1024: the pandas/scikit-learn snippet must pass there); the first line
-names the confinement measured.
+names the confinement measured. `--against REV` measures what a change to the sandbox costs per snippet: the warm
+pool's latency for a bare `print(1)` and for the data-science snippet, this checkout against a `git worktree` of
+REV, in alternating rounds of separate processes (so load from other processes hits both alike).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from mappa.config import SandboxConfig
 from mappa.sandbox import Sandbox, describe_confinement, new_workspace, remove_workspace, run_python
@@ -41,13 +48,66 @@ def cold_once() -> float:
     return time.perf_counter() - start
 
 
+def warm_latencies(runs: int, confinement: str) -> dict[str, list[float]]:
+    """Warm-pool latency of a bare snippet and of the data-science one, `runs` each, interleaved."""
+    ws = new_workspace()
+    out: dict[str, list[float]] = {"bare": [], "data-science": []}
+    cfg = SandboxConfig(pool=True, concurrency=1, timeout_s=60, confinement=confinement)
+    with Sandbox(cfg) as sb:
+        assert sb.run(SNIPPET, ws).ok  # starts the pool
+        for _ in range(runs):
+            for name, code in (("bare", "print(1)"), ("data-science", SNIPPET)):
+                t = time.perf_counter()
+                r = sb.run(code, ws)
+                assert r.ok, r.stderr
+                out[name].append(time.perf_counter() - t)
+    remove_workspace(ws)
+    return out
+
+
+def against(rev: str, rounds: int, runs: int, confinement: str) -> None:
+    """This checkout's warm pool against REV's, alternating rounds of fresh processes; medians and their ratio."""
+    repo = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="mappa-bench-") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
+        try:
+            sides = {"this checkout": repo / "src", rev: tree / "src"}
+            seen: dict[str, dict[str, list[float]]] = {k: {"bare": [], "data-science": []} for k in sides}
+            for i in range(rounds):
+                for side, src in sides.items() if i % 2 == 0 else reversed(sides.items()):
+                    env = {**os.environ, "PYTHONPATH": str(src)}
+                    cmd = [sys.executable, __file__, "--latency-json", str(runs), "--confinement", confinement]
+                    done = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, check=True)
+                    for name, xs in json.loads(done.stdout.strip().splitlines()[-1]).items():
+                        seen[side][name] += xs
+        finally:
+            subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], check=False)
+    print(describe_confinement(confinement))
+    for name in ("bare", "data-science"):
+        new, old = (statistics.median(seen[k][name]) for k in sides)
+        print(
+            f"warm pool, {name:12s}: this checkout {new * 1000:6.1f} ms, {rev} {old * 1000:6.1f} ms, "
+            f"ratio {new / old:.2f}x, +{(new - old) * 1000:.1f} ms per snippet (n={len(seen[rev][name])} each)"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cold-runs", type=int, default=5)
     ap.add_argument("--warm-runs", type=int, default=20)
     ap.add_argument("--many", type=int, default=64)
     ap.add_argument("--confinement", choices=["auto", "bwrap", "fallback"], default="auto")
+    ap.add_argument("--against", metavar="REV", help="compare the warm pool's latency with this git revision's")
+    ap.add_argument("--rounds", type=int, default=6, help="--against: alternating rounds per side")
+    ap.add_argument("--latency-json", type=int, metavar="RUNS", help=argparse.SUPPRESS)  # one round of --against
     args = ap.parse_args()
+    if args.latency_json:
+        print(json.dumps(warm_latencies(args.latency_json, args.confinement)))
+        return
+    if args.against:
+        against(args.against, args.rounds, args.warm_runs, args.confinement)
+        return
 
     print(describe_confinement(args.confinement))
     ws = new_workspace()

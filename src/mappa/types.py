@@ -48,6 +48,9 @@ class ExecResult(Record):
     files_created: tuple[str, ...] = ()  # at most MAX_LISTED names each (the workspace's files are agent input)
     files_changed: tuple[str, ...] = ()
     files_omitted: int = 0  # names created or changed beyond those listed
+    # The workspace was left with more files and directories than the sandbox walks (a flood): the listing is cut,
+    # and the run has failed by the agent's doing (never an infra_error).
+    workspace_flooded: bool = False
     # Set when the sandbox itself failed (could not start, pool died, ...): the action is then kept
     # out of the rewards instead of being blamed for an infrastructure fault.
     infra_error: str | None = None
@@ -68,7 +71,7 @@ class CoachScore(Record):
     model: str = ""
     cached: bool = False
     # Input messages left out of the coach's prompt (wholly or in part) to fit `coach.max_context_tokens`;
-    # 0: the coach saw the agent's exact input. The output is never cut.
+    # 0: the coach saw the agent's exact input. Other cuts are stated at the head of the rationale.
     truncated_inputs: int = 0
 
 

@@ -9,11 +9,12 @@
 
 Each snippet runs in a forked child of a confined runner (see confine.py for the exact confinement):
 - wall clock (`timeout_s`) and CPU time (RLIMIT_CPU): the snippet and everything it started is killed, also
-  processes that started their own session (PID namespace under bwrap; per-workspace uid sweep as root);
-- memory: a watchdog sums the resident memory (anonymous + shared, not file-backed) of the snippet's
-  processes every 50 ms and kills them all above `memory_mb`, reported as `memory_exceeded` (so is an
-  allocation that fails outright). Not an address-space limit: that counts what numpy, pyarrow and torch
-  reserve, not what they use. In the warm pool the preloaded modules count as in a cold run that imports them;
+  processes that started their own session (the snippet's own PID namespace dies with its init);
+- memory: a watchdog sums what the snippet pins every 50 ms, the resident memory (anonymous + shared, not
+  file-backed) of its processes and the kernel's buffers for it (its sockets, pipes and /dev/shm), and kills them
+  all above `memory_mb`, reported as `memory_exceeded` (so is an allocation that fails outright). Not an
+  address-space limit: that counts what numpy, pyarrow and torch reserve, not what they use. In the warm pool the
+  preloaded modules count as in a cold run that imports them;
 - processes: RLIMIT_NPROC (`max_processes`), exact per workspace when root (a uid per workspace),
   otherwise counted on top of the user's existing processes;
 - file size: RLIMIT_FSIZE (`max_file_mb`); stdout/stderr are read incrementally and only `max_output_chars`
@@ -24,10 +25,14 @@ Each snippet runs in a forked child of a confined runner (see confine.py for the
   fixed (PYTHONHASHSEED=0), so an agent's program prints a set in the same order in every run;
 - files: agent code sees an allowlist of the host (the system's /usr, a minimal /etc, the agent environment,
   its workspace, an empty /tmp, its own /dev/shm of at most `memory_mb`), nothing of the trainer's checkout,
-  data, run directories or other workspaces; see confine.py and docs/sandbox.md for the threat model;
+  data, run directories or other workspaces, nor the files in that view found to hold a copy of a task's table
+  (`guard_task_tables`); see confine.py and docs/sandbox.md for the threat model;
 - memory outside processes: memfd_create, System V shared memory and message queues are refused (seccomp);
-- IPC and leftovers: each snippet has its own mount and IPC namespaces and runs below a relay that kills
-  whatever it left running; open files are limited (`max_open_files`);
+- episodes share nothing: each snippet has its own mount, IPC, network and PID namespaces (no abstract socket,
+  port, process or /proc entry of another episode in sight); keyrings, file locks and inotify are refused; open
+  files are limited (`max_open_files`);
+- faults: `infra_error` comes only from the sandbox's own report channel, never from what the snippet prints or
+  its exit status; every host walk of a workspace is iterative and bounded (`workspace_flooded`);
 - the host survives snippets that close stdout, kill their parent or leave background processes.
 
 What it does NOT protect against:
@@ -61,6 +66,7 @@ from mappa.sandbox.confine import (
 )
 from mappa.sandbox.execute import Limits, run_cold
 from mappa.sandbox.pool import WarmPool
+from mappa.sandbox.tables_probe import TablesCheck, check_tables
 from mappa.sandbox.workspace import new_workspace, remove_workspace, workspace_root
 from mappa.types import ExecResult
 
@@ -71,6 +77,7 @@ __all__ = [
     "answers_reachable",
     "describe_confinement",
     "guard_hidden_answers",
+    "guard_task_tables",
     "detect_confinement",
     "new_workspace",
     "remove_workspace",
@@ -240,3 +247,19 @@ def guard_hidden_answers(
             "(apt-get install bubblewrap), or set sandbox.allow_unconfined=true to run anyway"
         )
     return f"sandbox: WARNING: hidden answers are reachable by agent code ({why}); sandbox.allow_unconfined=true"
+
+
+def guard_task_tables(cfg: SandboxConfig, confinement: Confinement, fingerprints: dict) -> TablesCheck | None:
+    """Before a run on tasks whose answers are columns of tables: the probe's look at data files, as
+    `answers_reachable` looks at imports. Every copy of a task's table that agent code could read (a library's test
+    data, say) is covered from then on; the tasks whose copy stays readable come back in `dropped`, for the caller to
+    leave out. None where the sandbox cannot hide the host (then `guard_hidden_answers` has refused or warned). A scan
+    that fails refuses the run (MappaError, one line) unless `sandbox.allow_unconfined`; then the check says so."""
+    if not confinement.hides_host:
+        return None
+    try:
+        return check_tables(confinement, fingerprints)
+    except MappaError as e:
+        if not cfg.allow_unconfined:
+            raise MappaError(f"{e}; set sandbox.allow_unconfined=true to run anyway") from None
+        return TablesCheck((), failed=str(e))

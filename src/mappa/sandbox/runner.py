@@ -23,36 +23,45 @@ import os
 import sys
 
 if __package__:  # imported as mappa.sandbox.runner (e.g. by a tool that imports every module): its package
-    from .inside.jail import build_root, restrict
+    from .inside.jail import build_root, libc, restrict
     from .inside.police import wait_watching
     from .inside.serve import main_serve
-    from .inside.snippet import RUNNER_TAG, child, enter_namespaces, read_fd
+    from .inside.snippet import PR_SET_DUMPABLE, RUNNER_TAG, child, enter_namespaces, read_fd, read_report
 else:  # run as a script: its folder is first on sys.path, `inside` the package bound beside it (root_plan)
-    from inside.jail import build_root, restrict
+    from inside.jail import build_root, libc, restrict
     from inside.police import wait_watching
     from inside.serve import main_serve
-    from inside.snippet import RUNNER_TAG, child, enter_namespaces, read_fd
+    from inside.snippet import PR_SET_DUMPABLE, RUNNER_TAG, child, enter_namespaces, read_fd, read_report
 
 
 def main_once(status_fd: int, code_fd: int, spec: dict) -> None:
     code = read_fd(code_fd)
+    report_r, report_w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        os.close(status_fd)
-        child(spec, code)
+        child(spec, code, report_w)  # closes every other descriptor, the status pipe included
+    os.close(report_w)
+    os.set_blocking(report_r, False)
     os.write(status_fd, (json.dumps({"pid": pid}) + "\n").encode())
     status, exceeded = wait_watching(pid, spec)
-    os.write(status_fd, (json.dumps({"wait_status": status, "memory_exceeded": exceeded}) + "\n").encode())
+    said = read_report(report_r)
+    record = {
+        "wait_status": said.get("wait_status", status),
+        "memory_exceeded": exceeded or bool(said.get("memory_exceeded")),
+    }
+    record["setup_failed"] = said.get("setup_failed")
+    os.write(status_fd, (json.dumps(record) + "\n").encode())
     os._exit(0)
 
 
 def main_probe(spec: dict) -> None:
     """Exit 0 when a snippet's set-up works here: its namespaces (if asked), the uid drop, the restrictions,
     and importing standard-library modules the runner has not imported yet."""
+    report_r, report_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
-            enter_namespaces(spec)
+            enter_namespaces(spec, report_w)
             if spec["uid"] is not None:
                 os.setgroups([])
                 os.setgid(spec["uid"])
@@ -64,10 +73,16 @@ def main_probe(spec: dict) -> None:
             os.write(2, f"{RUNNER_TAG} the sandbox's set-up failed: {e!r}\n".encode())
             os._exit(1)
         os._exit(0)
-    os._exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    os.close(report_w)
+    status = os.waitpid(pid, 0)[1]
+    os.set_blocking(report_r, False)
+    os._exit(os.waitstatus_to_exitcode(read_report(report_r).get("wait_status", status)))
 
 
 def main(argv: list[str]) -> None:
+    # Not dumpable: a snippet that shares our uid (the fallback without namespaces) cannot open /proc/PID/fd of the
+    # runner, whose status pipe carries the verdict on each snippet. The snippet itself is made dumpable again.
+    libc().prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     if argv[:1] == ["--root"]:
         root = json.loads(argv[1])
         build_root(root["ops"])

@@ -12,7 +12,7 @@ import os
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
 MS_PRIVATE = 1 << 18
-CLONE_NEWNS, CLONE_NEWIPC = 0x00020000, 0x08000000
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWPID = 0x00020000, 0x08000000, 0x40000000, 0x20000000
 NEW_ROOT = "/mnt"  # where the fallback assembles the allowlisted root before chrooting into it
 _libc = None
 
@@ -95,12 +95,14 @@ def build_root(ops: list) -> None:
 
 
 def isolate(spec: dict) -> None:
-    """The snippet's own namespaces (in the forked child, before the uid drop): mounts and IPC.
+    """The snippet's own namespaces (in the forked child, before the uid drop): mounts, IPC, network and PIDs.
 
     Its /dev/shm is a fresh tmpfs of `shm_mb`, and the directory holding the workspaces is covered with only
-    this snippet's workspace bound back, so a pooled snippet sees no other episode's files. Both namespaces
-    end with the snippet's last process, and what it held in them with it."""
-    _check(libc().unshare(CLONE_NEWNS | CLONE_NEWIPC), "unshare")
+    this snippet's workspace bound back, so a pooled snippet sees no other episode's files. Its own network
+    namespace (no interface up, not even loopback) leaves no abstract unix socket or port that another episode could
+    reach; its own PID namespace (entered by the caller's next child, `mount_proc`) leaves no other process to
+    signal, trace or read through /proc. All of them end with the snippet's last process, and what it held with it."""
+    _check(libc().unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWPID), "unshare")
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     _tmpfs("/dev/shm", spec["shm_mb"], "1777")
     workspace = spec.get("workspace")
@@ -112,36 +114,111 @@ def isolate(spec: dict) -> None:
         os.close(keep)
 
 
-# Calls refused to snippets, per architecture (AUDIT_ARCH value, syscall numbers): memfd_create and
-# memfd_secret, System V shm/sem/msg and POSIX message queues. Their memory is in no process's resident set,
-# so the watchdog could not see it; data-science code does not need them (multiprocessing uses /dev/shm).
+def mount_proc() -> None:
+    """In the first process of the snippet's PID namespace: a /proc of that namespace alone, over the server's."""
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+
+
+# What a snippet may not call, per architecture (AUDIT_ARCH value). Each rule is one kind of channel or memory the
+# watchdog could not see: memfd and System V/POSIX IPC hold memory in no process's resident set; keyrings, file locks
+# and inotify are kernel objects that two snippets reach through the same key or the same read-only file, so data
+# could pass between concurrent episodes; F_SETPIPE_SZ would let a pipe pin 1 MiB instead of 64 KiB; sockets of other
+# families than unix and IP (netlink, packet, ...) hold buffers the watchdog does not count; kill(-1) signals every
+# process the snippet may signal (without namespaces: the user's whole session). Data-science code needs none of
+# them (multiprocessing uses /dev/shm, pipes and unix sockets).
+EPERM, EAFNOSUPPORT = 1, 97
+F_LOCKS = (5, 6, 7, 36, 37, 38, 1024)  # F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK/SETLK/SETLKW, F_SETLEASE
+F_SETPIPE_SZ = 1031
+SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6
+ARG0, ARG1 = 16, 24  # offsets of the low words of the first two arguments in seccomp_data
+
+# Per ABI: (calls refused outright, [argument rules]). An argument rule is (calls, argument offset, values, whether
+# the values are the refused ones (else the only allowed ones), errno). Tuples, not dataclasses: the runner imports
+# this module at every cold start.
+Rules = tuple[tuple[int, ...], list[tuple[tuple[int, ...], int, tuple[int, ...], bool, int]]]
+
+
+def _abi(
+    deny: tuple[int, ...], fcntl: tuple[int, ...], lock_cmds: tuple[int, ...], sockets: tuple[int, ...], kill: int
+) -> Rules:
+    return deny, [
+        (fcntl, ARG1, (*lock_cmds, F_SETPIPE_SZ), True, EPERM),
+        (sockets, ARG0, SOCKET_FAMILIES, False, EAFNOSUPPORT),
+        ((kill,), ARG0, (0xFFFFFFFF,), True, EPERM),
+    ]
+
+
+def _x86_64(x: int) -> Rules:  # x: 0, or the x32 ABI's bit
+    deny = (319, 447, 29, 64, 68, 240, 248, 249, 250, 73, 253, 294, 300)  # memfd*, sysv, mq, keys, flock, notify
+    return _abi(tuple(x | n for n in deny), (x | 72,), F_LOCKS, (x | 41, x | 53), x | 62)
+
+
 _X32 = 0x40000000
-SECCOMP_DENY = {
-    0xC000003E: (319, 447, 29, 64, 68, 240, *(_X32 | n for n in (319, 447, 29, 64, 68, 240))),  # x86_64, x32
-    0x40000003: (356, 447, 117, 395, 393, 399, 277),  # i386 (117: the ipc() multiplexer)
-    0xC00000B7: (279, 447, 194, 190, 186, 180),  # aarch64
+SECCOMP_RULES = {
+    0xC000003E: (_x86_64(0), _x86_64(_X32)),  # x86_64 and x32 share the audit arch
+    # i386: 117 is the ipc() multiplexer and 102 socketcall(), whose arguments a filter cannot read; 12-14 are the
+    # 64-bit lock commands
+    0x40000003: (
+        _abi(
+            (356, 447, 117, 395, 393, 399, 277, 286, 287, 288, 143, 291, 332, 338, 102),
+            (55, 221),
+            (*F_LOCKS, 12, 13, 14),
+            (359, 360),
+            37,
+        ),
+    ),
+    0xC00000B7: (  # aarch64
+        _abi((279, 447, 194, 190, 186, 180, 217, 218, 219, 32, 26, 262), (25,), F_LOCKS, (198, 199), 129),
+    ),
 }
 
 
-def seccomp_program() -> bytes:
-    """A classic-BPF seccomp filter: EPERM for the calls in SECCOMP_DENY, everything else allowed."""
+def _assemble(prog: list[tuple]) -> bytes:
+    """Classic BPF from ("ld", offset) / ("jeq", k, label_true, label_false) / ("ret", k) / ("label", name);
+    a jump label of None is the next instruction."""
     import struct
 
-    def ins(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
-        return struct.pack("HBBI", code, jt, jf, k)
+    where, n = {}, 0
+    for ins in prog:
+        if ins[0] == "label":
+            where[ins[1]] = n
+        else:
+            n += 1
+    out, i = [], 0
+    for ins in prog:
+        if ins[0] == "label":
+            continue
+        if ins[0] == "ld":
+            out.append(struct.pack("HBBI", 0x20, 0, 0, ins[1]))
+        elif ins[0] == "ret":
+            out.append(struct.pack("HBBI", 0x06, 0, 0, ins[1]))
+        else:
+            jt, jf = (0 if lab is None else where[lab] - i - 1 for lab in ins[2:4])
+            out.append(struct.pack("HBBI", 0x15, jt, jf, ins[1]))
+        i += 1
+    return b"".join(out)
 
-    ld_w_abs, jeq_k, ret_k = 0x20, 0x15, 0x06
-    allow, eperm = 0x7FFF0000, 0x00050000 | 1
-    prog = [ins(ld_w_abs, 4)]  # seccomp_data.arch
-    for arch, nrs in SECCOMP_DENY.items():
-        block = [ins(ld_w_abs, 0)]  # seccomp_data.nr
-        for i, nr in enumerate(nrs):
-            block.append(ins(jeq_k, nr, jt=len(nrs) - i, jf=0))
-        block += [ins(ret_k, allow), ins(ret_k, eperm)]
-        prog.append(ins(jeq_k, arch, jt=0, jf=len(block)))
-        prog += block
-    prog.append(ins(ret_k, allow))
-    return b"".join(prog)
+
+def seccomp_program() -> bytes:
+    """A classic-BPF seccomp filter carrying out SECCOMP_RULES; every other call is allowed."""
+    allow = 0x7FFF0000
+    prog: list[tuple] = [("ld", 4)]  # seccomp_data.arch
+    for a, (arch, abis) in enumerate(SECCOMP_RULES.items()):
+        prog += [("jeq", arch, None, f"arch{a + 1}"), ("ld", 0)]  # seccomp_data.nr
+        for b, (deny, arg_rules) in enumerate(abis):
+            prog += [("jeq", nr, "eperm", None) for nr in deny]
+            for r, (calls, *_) in enumerate(arg_rules):
+                prog += [("jeq", nr, f"args{a}.{b}.{r}", None) for nr in calls]
+        prog.append(("ret", allow))
+        for b, (_, arg_rules) in enumerate(abis):
+            for r, (_, offset, values, refused, errno) in enumerate(arg_rules):
+                hit, miss = ("eperm", None) if refused else ("allow", None)
+                prog += [("label", f"args{a}.{b}.{r}"), ("ld", offset)]
+                prog += [("jeq", v, hit, miss) for v in values]
+                prog.append(("ret", allow if refused else 0x00050000 | errno))
+        prog.append(("label", f"arch{a + 1}"))
+    prog += [("label", "allow"), ("ret", allow), ("label", "eperm"), ("ret", 0x00050000 | EPERM)]
+    return _assemble(prog)
 
 
 def restrict(keep_uid: bool) -> None:

@@ -1,7 +1,8 @@
 """The warm pool's fork server (runner.py `serve`): pre-import once, then fork a fresh child per snippet.
 
 Requests arrive on the socket with the code, stdout and stderr as descriptors; each reply carries the
-snippet's wait status and whether it was killed at its deadline or over its memory limit.
+snippet's wait status, whether it was killed at its deadline or over its memory limit, and a set-up failure
+only when the sandbox's own report channel (never the snippet's output) said so.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import selectors
 import socket
 import time
 
-from .police import WATCH_INTERVAL_S, over_memory, stop, sweep
-from .snippet import child, read_fd
+from .police import WATCH_INTERVAL_S, Meter, stop, sweep
+from .snippet import child, read_fd, read_report
 
 
 def _start_request(sock: socket.socket, running: dict[int, dict], sel: selectors.BaseSelector) -> None:
@@ -24,26 +25,23 @@ def _start_request(sock: socket.socket, running: dict[int, dict], sel: selectors
         os._exit(0)  # the host went away
     req = json.loads(msg)
     code_fd, out_fd, err_fd = fds
+    report_r, report_w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        sel.close()
-        sock.close()
-        for pidfd in running:
-            os.close(pidfd)
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
-        os.close(out_fd)
-        os.close(err_fd)
-        child(req["spec"], read_fd(code_fd))
-    for fd in fds:
+        code = read_fd(code_fd)
+        child(req["spec"], code, report_w)  # closes every other descriptor: the socket, other snippets' pipes
+    for fd in (*fds, report_w):
         os.close(fd)
+    os.set_blocking(report_r, False)
     pidfd = os.pidfd_open(pid)
+    spec = req["spec"]
     running[pidfd] = {
         "id": req["id"],
-        "pid": pid,
-        "uid": req["spec"]["uid"],
-        "memory_mb": req["spec"]["memory_mb"],
-        "isolate": bool(req["spec"].get("isolate")),
+        "meter": Meter(pid, spec["uid"], bool(spec.get("isolate"))),
+        "memory_mb": spec["memory_mb"],
+        "report": report_r,
         "deadline": time.monotonic() + req["timeout_s"],
         "timed_out": False,
         "memory_exceeded": False,
@@ -57,14 +55,31 @@ def _police(running: dict[int, dict], watch: bool) -> None:
     for r in running.values():
         if r["timed_out"] or r["memory_exceeded"]:
             continue
+        m = r["meter"]
         if now >= r["deadline"]:
             r["timed_out"] = True
-            sweep(r["uid"], r["pid"])
+            sweep(m.uid, m.pid, m.isolate)
         elif watch:
-            pids = over_memory(r["pid"], r["uid"], r["memory_mb"], r["isolate"])
+            pids = m.over(r["memory_mb"])
             if pids is not None:
                 r["memory_exceeded"] = True
-                stop(r["uid"], r["pid"], pids)
+                stop(m, pids)
+
+
+def _finish(r: dict) -> dict:
+    """The reply for a snippet whose process (the relay, or the snippet) has ended."""
+    m = r["meter"]
+    _, status = os.waitpid(m.pid, 0)
+    if not m.isolate:
+        sweep(m.uid, m.pid, False)  # what it left running (an isolated snippet's namespace is already gone)
+    said = read_report(r["report"])
+    os.close(r["report"])
+    reply = {k: r[k] for k in ("id", "timed_out", "memory_exceeded")}
+    reply["memory_exceeded"] = r["memory_exceeded"] or bool(said.get("memory_exceeded"))
+    # The init reports the snippet's own status; a relay killed at the deadline or over memory has none to give.
+    reply["wait_status"] = said.get("wait_status", status)
+    reply["setup_failed"] = said.get("setup_failed")
+    return reply
 
 
 def main_serve(sock_fd: int, preload: list[str]) -> None:
@@ -96,10 +111,7 @@ def main_serve(sock_fd: int, preload: list[str]) -> None:
             r = running.pop(pidfd)
             sel.unregister(pidfd)
             os.close(pidfd)
-            _, status = os.waitpid(r["pid"], 0)
-            sweep(r["uid"], r["pid"])
-            reply = {k: r[k] for k in ("id", "timed_out", "memory_exceeded")}
-            sock.send(json.dumps({**reply, "wait_status": status}).encode())
+            sock.send(json.dumps(_finish(r)).encode())
         watch = time.monotonic() >= next_watch
         if watch:
             next_watch = time.monotonic() + WATCH_INTERVAL_S
