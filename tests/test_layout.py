@@ -27,6 +27,7 @@ LAYERS: dict[str, list[str]] = {
     "base": [
         "mappa.errors", "mappa.types", "mappa.paths", "mappa.protocols", "mappa.plugins", "mappa.config",
         "mappa.config_rollout", "mappa.config_training", "mappa.rl", "mappa.metrics", "mappa.rewards", "mappa.precision",
+        "mappa.beneath",
     ],
     # one layer: tasks.dsbench and tasks.tabular run reference solutions in the sandbox, while
     # sandbox.codeblocks reads answers with tasks.answers

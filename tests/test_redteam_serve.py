@@ -4,10 +4,12 @@ an API key, an adapter root and a bound on loaded adapters, probed over real HTT
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -18,14 +20,17 @@ import httpx
 import openai
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from mappa import beneath
 from mappa.config import GenerationConfig
 from mappa.errors import MappaError
 from mappa.generation import ServerPolicy, publish_adapters
 from mappa.models import tiny_model_and_tokenizer
 from mappa.policy import Policy
+from mappa.serving.adapters import ServedPolicy, _drop
 from mappa.serving.engine import ChatEngine, ChatRequest
-from mappa.serving.guard import default_adapter_roots
+from mappa.serving.guard import AdapterRoots, default_adapter_roots
 from mappa.serving.server import Limits, RunningServer, create_app, start_server
 from mappa.types import Message
 
@@ -125,13 +130,13 @@ def test_adapters_load_only_from_under_the_root(server: RunningServer, dirs: dic
     assert r.status_code == 400 and "'..'" in r.json()["error"]["message"]
     (root / "escape").symlink_to(outside / "solver" / "v000000")
     r = load(server, "escape", root / "escape")
-    assert r.status_code == 400 and "link that leads outside" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "escape is a symbolic link" in r.json()["error"]["message"]
     sneaky = root / "sneaky"
     sneaky.mkdir()
     shutil.copy(root / "solver" / "v000000" / "adapter_config.json", sneaky)
     (sneaky / "adapter_model.safetensors").symlink_to(outside / "solver" / "v000000" / "adapter_model.safetensors")
     r = load(server, "sneaky", sneaky)
-    assert r.status_code == 400 and "adapter_model.safetensors is a link" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "adapter_model.safetensors is a symbolic link" in r.json()["error"]["message"]
     assert load(server, "/etc", "/etc").status_code == 400
     names = models(server)
     assert not {"outsider", "dotted", "escape", "sneaky", "/etc"} & set(names)
@@ -310,3 +315,196 @@ def test_default_adapter_roots_are_runs_and_the_served_run(tmp_path: Path) -> No
     ckpt = tmp_path / "runs" / "demo" / "checkpoints" / "step-000004"
     assert default_adapter_roots(str(ckpt), cwd=tmp_path) == [tmp_path / "runs", tmp_path / "runs" / "demo"]
     assert default_adapter_roots(None, cwd=tmp_path) == [tmp_path / "runs"]
+
+
+# ---------------------------------------------------------------------------------------------------- adapter files
+@pytest.fixture(params=["openat2", "enosys", "unknown-machine"])
+def resolution(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each way the server opens files beneath a root: the kernel's openat2; the component walk after the kernel
+    answers ENOSYS (as any kernel answers an unassigned syscall number); the walk where openat2's number is
+    unknown. The in-process server reads the module's number at every open."""
+    if request.param == "enosys":
+        monkeypatch.setattr(beneath, "OPENAT2_NR", 1000)
+    elif request.param == "unknown-machine":
+        monkeypatch.setattr(beneath, "OPENAT2_NR", None)
+    return request.param
+
+
+def _config_only(root: Path, at: Path) -> Path:
+    at.mkdir(parents=True)
+    shutil.copy(root / "solver" / "v000000" / "adapter_config.json", at)
+    return at / "adapter_model.safetensors"
+
+
+def _linked_file(root: Path, outside: Path, at: Path) -> tuple[Path, str]:
+    _config_only(root, at).symlink_to(root / "solver" / "v000000" / "adapter_model.safetensors")  # inside, even
+    return at, "adapter_model.safetensors is a symbolic link"
+
+
+def _linked_directory(root: Path, outside: Path, at: Path) -> tuple[Path, str]:
+    at.symlink_to(root / "solver")  # a link on the way that stays inside the root
+    return at / "v000000", f"{at.name} is a symbolic link"
+
+
+def _hard_link_out(root: Path, outside: Path, at: Path) -> tuple[Path, str]:
+    os.link(outside / "solver" / "v000000" / "adapter_model.safetensors", _config_only(root, at))
+    return at, "hard link"
+
+
+def _fifo(root: Path, outside: Path, at: Path) -> tuple[Path, str]:
+    os.mkfifo(_config_only(root, at))
+    return at, "a FIFO"
+
+
+def _device(root: Path, outside: Path, at: Path) -> tuple[Path, str]:
+    try:
+        os.mknod(_config_only(root, at), 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # what /dev/null is
+    except PermissionError:
+        pytest.skip("creating a device node needs CAP_MKNOD")
+    return at, "a device"
+
+
+def _directory(root: Path, outside: Path, at: Path) -> tuple[Path, str]:
+    _config_only(root, at).mkdir()
+    return at, "a directory"
+
+
+def _oversized(root: Path, outside: Path, at: Path) -> tuple[Path, str]:
+    with open(_config_only(root, at), "wb") as f:
+        f.truncate(2**40)  # sparse: a terabyte that takes no room
+    return at, "more than"
+
+
+def _oversized_config(root: Path, outside: Path, at: Path) -> tuple[Path, str]:
+    at.mkdir(parents=True)
+    shutil.copy(root / "solver" / "v000000" / "adapter_model.safetensors", at)
+    with open(at / "adapter_config.json", "wb") as f:
+        f.truncate(2**30)
+    return at, "more than"
+
+
+# Each builds, under the root, an adapter directory that must not load, and returns (its path, the reason's words).
+HOSTILE = [_linked_file, _linked_directory, _hard_link_out, _fifo, _device, _directory, _oversized, _oversized_config]
+
+
+@pytest.mark.parametrize("build", HOSTILE, ids=[b.__name__.strip("_") for b in HOSTILE])
+def test_adapter_files_that_are_not_plain_files_of_their_own_are_refused(
+    server: RunningServer, dirs: dict[str, Path], build, resolution: str
+) -> None:
+    at = dirs["root"] / "hostile" / f"{build.__name__.strip('_')}-{resolution}"
+    at.parent.mkdir(exist_ok=True)
+    path, reason = build(dirs["root"], dirs["outside"], at)
+    r = load(server, at.name, path)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+    assert reason in r.json()["error"]["message"], r.json()["error"]["message"]
+    assert at.name not in models(server)
+
+
+def test_the_kernel_resolves_beneath_where_it_has_openat2(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_bytes(b"x")
+    (tmp_path / "l").symlink_to(tmp_path / "d")
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fd = beneath.openat2(dir_fd, "d/f", os.O_RDONLY, beneath.RESOLVE)
+        except OSError as e:
+            if e.errno in (errno.ENOSYS, errno.EPERM):
+                pytest.skip("no openat2 on this machine: the walk does it all")
+            raise
+        assert os.read(fd, 2) == b"x"
+        os.close(fd)
+        refusals = [
+            ("l/f", errno.ELOOP),
+            (f"../{tmp_path.name}/d/f", errno.EXDEV),
+            (str(tmp_path / "d/f"), errno.EXDEV),
+        ]
+        for path, code in refusals:
+            with pytest.raises(OSError) as refused:
+                beneath.openat2(dir_fd, path, os.O_RDONLY, beneath.RESOLVE)
+            assert refused.value.errno == code, path
+    finally:
+        os.close(dir_fd)
+
+
+@pytest.fixture(scope="module")
+def spare() -> Policy:
+    """A policy of its own for loads outside the server (the server's slots live in `policy`'s model)."""
+    model, tokenizer = tiny_model_and_tokenizer(seed=0)
+    spare = Policy.from_model(model, tokenizer, ["solver", "checker"], lora_r=4, lora_alpha=8)
+    with torch.no_grad():
+        for p in spare.trainable_parameters("checker"):
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+    return spare
+
+
+@pytest.fixture
+def served(spare: Policy) -> Iterator[ServedPolicy]:
+    served = ServedPolicy(spare, BASE, spare.agents)
+    yield served
+    for slot in list(served._slot_params):
+        _drop(spare.model, slot)
+
+
+@pytest.mark.parametrize("swapped", ["the adapter directory", "a directory above it"])
+def test_a_directory_swapped_for_a_link_after_the_check_is_never_read(
+    spare: Policy, served: ServedPolicy, tmp_path: Path, resolution: str, swapped: str
+) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    publish_adapters(spare, root, 0)
+    publish_adapters(spare, outside, 0)
+    checked = root / "solver" / "v000000"
+    victim, target = (checked, outside / "checker" / "v000000")
+    if swapped == "a directory above it":
+        victim, target = (checked.parent, outside / "checker")
+    moved = victim.with_name("moved")
+    roots = AdapterRoots([root])
+    with roots.open(str(checked)) as directory:  # the check
+        victim.rename(moved)  # the swap, after the check and before the load
+        victim.symlink_to(target, target_is_directory=True)
+        served.load("raced", directory)
+    loaded = served._slot_params[served.loaded["raced"][0]]
+    weights = "adapter_model.safetensors"
+    was_checked = load_file((moved if victim == checked else moved / "v000000") / weights)
+    linked = load_file(target / weights if victim == checked else target / "v000000" / weights)
+    assert all(torch.equal(loaded[k], was_checked[k]) for k in was_checked)
+    assert not all(torch.equal(loaded[k], linked[k]) for k in linked)  # the outside adapter was never read
+    with pytest.raises(MappaError, match=f"{victim.name} is a symbolic link"):
+        roots.open(str(checked))  # asked again, the path is refused at the check
+
+
+def _with_config(dirs: dict[str, Path], name: str, **change) -> Path:
+    at = dirs["root"] / "configs" / name
+    shutil.copytree(dirs["root"] / "solver" / "v000000", at)
+    config = json.loads((at / "adapter_config.json").read_text())
+    (at / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    return at
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({"r": 4096}, "not a LoRA matrix of rank 4096"),  # peft would make modules 1000x the file's size
+        ({"target_modules": ".*proj"}, "list of module names"),  # a pattern peft would run as a regex
+        ({"alpha_pattern": {"q_proj": 64}}, "it sets alpha_pattern"),  # a scaling a refilled slot would drop
+        ({"layer_replication": [[0, 1]]}, "it sets layer_replication"),
+        ({"bias": "all"}, "only plain LoRA"),
+    ],
+)
+def test_an_adapter_config_that_is_not_plain_lora_is_refused(
+    server: RunningServer, dirs: dict[str, Path], change: dict, reason: str
+) -> None:
+    name = "config-" + "-".join(change)
+    r = load(server, name, _with_config(dirs, name, **change))
+    assert r.status_code == 400 and reason in r.json()["error"]["message"], r.text
+    assert name not in models(server)
+
+
+def test_an_adapter_config_cannot_rewrite_the_base_weights(
+    server: RunningServer, policy: Policy, dirs: dict[str, Path]
+) -> None:
+    base = {n: p.detach().clone() for n, p in policy.model.named_parameters() if ".lora_" not in n}
+    at = _with_config(dirs, "pissa", init_lora_weights="pissa")  # pissa's init subtracts from the base
+    assert load(server, "pissa", at).status_code == 200  # the values come from the file: no init runs
+    after = dict(policy.model.named_parameters())
+    assert all(torch.equal(after[n], p) for n, p in base.items())

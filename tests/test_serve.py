@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
 
+from mappa import beneath
+from mappa.errors import MappaError
 from mappa.models import tiny_model_and_tokenizer
 from mappa.policy import Policy
 from mappa.serving.engine import load_policy
+from mappa.serving.guard import AdapterRoots
 from mappa.serving.server import Limits, RunningServer, create_app, served_names, start_server
 from mappa.types import Message
 
@@ -271,6 +276,41 @@ def test_load_and_unload_lora_adapters_as_vllm_does(server: RunningServer, polic
     assert post("unload", {"lora_name": "checker"}).status_code == 400  # the checkpoint's own agents stay
     gone = httpx.post(server.url + "/chat/completions", json={"model": "checker-copy", "messages": HELLO}, timeout=60)
     assert gone.status_code == 404
+
+
+@pytest.mark.parametrize("number", [beneath.OPENAT2_NR, 1000, None], ids=["openat2", "enosys", "unknown-machine"])
+def test_an_adapter_loads_alike_whichever_way_its_files_are_opened(
+    client: openai.OpenAI, server: RunningServer, policy: Policy, tmp_path: Path, monkeypatch, number
+) -> None:
+    """openat2 where the kernel has it; else (ENOSYS, as for an unassigned number, or no number known for this
+    machine) each directory opened in turn: the same adapter either way."""
+    from mappa.generation import publish_adapters
+
+    monkeypatch.setattr(beneath, "OPENAT2_NR", number)
+    path = publish_adapters(policy, tmp_path, 0)["checker"]
+    r = httpx.post(f"{server.url}/load_lora_adapter", json={"lora_name": "walked", "lora_path": str(path)}, timeout=60)
+    assert r.status_code == 200, r.text
+    kw = {"messages": HELLO, "max_tokens": 10, "temperature": 0}
+    walked = client.chat.completions.create(model="walked", **kw).choices[0].message.content
+    assert walked == client.chat.completions.create(model="checker", **kw).choices[0].message.content
+    assert httpx.post(f"{server.url}/unload_lora_adapter", json={"lora_name": "walked"}).status_code == 200
+
+
+def test_a_root_is_matched_as_configured_and_as_resolved(tmp_path: Path) -> None:
+    """The root itself is the operator's and may be a link; below it nothing is followed."""
+    (tmp_path / "real" / "solver" / "v1").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    (tmp_path / "real" / "latest").symlink_to(tmp_path / "real" / "solver")
+    roots = AdapterRoots([tmp_path / "link"])
+    for spelled in ("link", "real"):
+        with roots.open(str(tmp_path / spelled / "solver" / "v1")) as directory:
+            assert os.path.samestat(os.fstat(directory.fd), os.stat(tmp_path / "real" / "solver" / "v1"))
+    with pytest.raises(MappaError, match="latest is a symbolic link"):
+        roots.open(str(tmp_path / "link" / "latest" / "v1"))
+    with pytest.raises(MappaError, match="No adapter found"):
+        roots.open(str(tmp_path / "link" / "solver" / "v2"))
+    with pytest.raises(MappaError, match="outside the adapter roots"):
+        roots.open(str(tmp_path / "elsewhere"))
 
 
 # ------------------------------------------------------------------------------------ what a reply reports

@@ -61,6 +61,80 @@ def test_check_answer_tricky_formats(text: str, gold: str, expected: bool) -> No
     assert check_answer(text, gold) is expected
 
 
+# ------------------------------------------------------------------------------------------------ percent answers
+# A percent sign is a unit, as the data writes percent answers ("By what percent does the square's area
+# decrease?" has gold 10): `\boxed{5\%}` reads 5, so it is right for a gold of 5 or 5\%, and never also for 0.05.
+PERCENT_SPELLINGS = (
+    "{}\\%", "{}%", "{} percent", "{}percent", "{} Percent", "{}\\text{\\%}", "{}\\text{ percent}", "{}\\,\\%",
+    "{} pct", "{} percentage",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("number", ["5", "12.5", "-2.5"])
+@pytest.mark.parametrize("spelling", PERCENT_SPELLINGS)
+def test_a_percent_answer_is_its_number_never_its_hundredth(spelling: str, number: str) -> None:
+    reply = f"\\boxed{{{spelling.replace('{}', number, 1)}}}"
+    hundredth = str(float(number) / 100)
+    assert check_answer(reply, number) and check_answer(reply, f"{number}\\%")
+    assert not check_answer(reply, hundredth)  # else one reply collects credit for two different golds
+
+
+@pytest.mark.parametrize(
+    ("text", "gold", "expected"),
+    [
+        ("\\boxed{5}", "5\\%", True),  # the gold says percent; the bare number is its number
+        ("\\boxed{5}", "5 percent", True),
+        ("\\boxed{0.05}", "5\\%", False),  # a fraction is not the percent's number
+        ("\\boxed{\\frac{1}{20}}", "5\\%", False),
+        ("\\boxed{0.5}", "50\\%", False),
+        ("\\boxed{50\\%}", "0.5", False),
+        ("\\boxed{50\\%}", "\\frac{1}{2}", False),
+        ("\\boxed{25\\%}", "\\frac14", False),  # a problem that asks for a fraction gets one
+        ("\\boxed{100\\%}", "1", False),
+        ("\\boxed{150\\%}", "150", True),
+        ("The answer is 25%.", "25", True),  # a stated answer reads the same way
+        ("The answer is 25%.", "0.25", False),
+        ("\\boxed{5\\% + 0}", "5", True),  # inside an expression the sign is the same unit, dropped
+        ("\\boxed{5\\% + 0}", "0.05", False),
+        ("\\boxed{(10\\%, 20\\%)}", "(10, 20)", True),
+        ("\\boxed{(10\\%, 20\\%)}", "(0.1, 0.2)", False),
+        ("\\boxed{\\%}", "5", False),  # a sign alone is no answer
+        ("\\boxed{0.05}", "5", False),  # without a sign nothing changes
+        ("\\boxed{5}", "0.05", False),
+    ],
+)
+def test_check_answer_percent_cases(text: str, gold: str, expected: bool) -> None:
+    assert check_answer(text, gold) is expected
+
+
+@pytest.mark.parametrize(
+    ("problem", "gold", "expected"),
+    [
+        ("A die is loaded. What is the probability of a six? Give a decimal.", "0.05", True),  # hundredths here
+        ("A die is loaded. What is the probability of a six? Give a decimal.", "5", False),
+        ("How many apples are left?", "5", False),  # a count is not a percent
+        ("By what percent does the price fall?", "5", True),  # a unit here
+        ("By what percent does the price fall?", "0.05", False),
+        ("What share of the class, in %, passed?", "5", True),
+    ],
+)
+def test_a_percent_sign_has_one_reading_per_problem(problem: str, gold: str, expected: bool) -> None:
+    # The problem decides whether 5% means 5 or 0.05; for no problem does one reply collect both golds.
+    assert check_answer("\\boxed{5\\%}", gold, problem) is expected
+    assert check_answer("\\boxed{5\\%}", "5", problem) != check_answer("\\boxed{5\\%}", "0.05", problem)
+
+
+@needs_data
+def test_what_percent_problems_take_the_percent_sign() -> None:
+    # math500's percent questions carry the bare percent as their gold; a reply with the sign is right
+    asked = [t for t in load_source("math500", TasksConfig(data_dir=str(SHARED)), "eval", 0)
+             if "what percent" in t.problem.lower()]  # fmt: skip
+    assert asked and all(t.answer == "10" for t in asked)
+    for t in asked:
+        assert check_answer(f"\\boxed{{{t.answer}\\%}}", t.answer, t.problem)
+        assert not check_answer(f"\\boxed{{{t.answer}\\%}}", str(int(t.answer) / 100), t.problem)
+
+
 # Reasoning that boxes candidates: only the final answer outside the reasoning counts.
 WRONG_THEN_RIGHT = (
     "<think>Try 6 * 8 = \\boxed{48}? No: the problem says 6 * 7, so \\boxed{42}.</think>\n"

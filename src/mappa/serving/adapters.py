@@ -10,34 +10,54 @@ next load of that shape (see `ServedPolicy.load`). Loads and unloads change the 
 chat engine runs them on its worker thread between batches (`ChatEngine.run`), never while a batch decodes.
 At most `max_loaded` adapters are loaded at once: a load past that unloads the least recently used one
 (requested or loaded longest ago), and slots beyond that number are deleted, so memory stays bounded.
+
+An adapter's files are read once, through the directory descriptor the adapter roots opened
+(`mappa.serving.guard.AdapterDir`, `mappa.beneath`): no link followed, no hard-linked, special or
+oversized file, and nothing read by path again, not even by peft. A slot is made from the checked config (a
+plain LoRA config whose rank is that of the tensors read), so a config cannot ask for an initialisation that
+rewrites the base weights, or for modules of a rank its file does not hold.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from mappa.beneath import FileRefused, read_beneath
 from mappa.errors import MappaError
 from mappa.policy import Policy
+from mappa.serving.guard import AdapterDir
 from mappa.types import Message
+
+MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json: peft's are a few KB
+# adapter_model.safetensors: a rank-64 adapter on every linear layer of a 70B model is ~1.7 GB in bfloat16
+MAX_ADAPTER_BYTES = 4 << 30
 
 
 class ServedPolicy:
     """A policy plus adapters loaded at run time (see the module docstring). `base_name` and `agents` are the
     names served from the policy itself; a loaded adapter's name may not shadow them."""
 
-    def __init__(self, policy: Policy, base_name: str, agents: Sequence[str], max_loaded: int = 16) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        base_name: str,
+        agents: Sequence[str],
+        max_loaded: int = 16,
+        max_adapter_bytes: int = MAX_ADAPTER_BYTES,
+    ) -> None:
         if max_loaded < 1:
             raise MappaError(f"--max-loaded-adapters must be >= 1 (got {max_loaded})")
         self.policy = policy
         self.max_loaded = max_loaded
+        self.max_adapter_bytes = max_adapter_bytes
         self.base_name = base_name
         self.agents = tuple(agents)  # the policy's own agents that are served
         self.tokenizer = policy.tokenizer
@@ -83,10 +103,10 @@ class ServedPolicy:
             module.set_adapter(self.loaded[name][0])
             yield module
 
-    def load(self, name: str, path: str, replace: bool = False) -> list[str]:
-        """Load the PEFT adapter directory `path` as model `name` (`replace`: an adapter already loaded under
-        that name gives way); returns the names unloaded to stay within `max_loaded`. Errors are MappaErrors
-        worded like vLLM's.
+    def load(self, name: str, directory: AdapterDir, replace: bool = False) -> list[str]:
+        """Load the PEFT adapter in `directory` (opened by `AdapterRoots.open`) as model `name` (`replace`: an
+        adapter already loaded under that name gives way); returns the names unloaded to stay within
+        `max_loaded`. Errors are MappaErrors worded like vLLM's.
 
         Adapters live in slots: peft modules created once per adapter shape (rank, alpha, target modules) and
         refilled in place. Creating a slot costs seconds (peft walks the whole model, more slowly the more
@@ -98,7 +118,9 @@ class ServedPolicy:
             raise MappaError(f"The lora adapter '{name}' has already been loaded.")
         if self.policy.agent_weights == "full":
             raise MappaError("this server holds full-weight agents; loading LoRA adapters needs a LoRA-served model")
-        shape, state = _read_adapter(Path(path))
+        path = directory.path
+        settings, state = _read_adapter(directory, self.max_adapter_bytes)
+        shape = tuple(settings.values())
         evicted = []
         with self.policy.active(self.policy.agents[0]):  # the lock: nobody decodes while modules change
             while name not in self.loaded and len(self.loaded) >= self.max_loaded:
@@ -107,7 +129,7 @@ class ServedPolicy:
             free = self._free.setdefault(shape, [])
             if not free:
                 self._trim_slots()
-            slot = free.pop() if free else self._new_slot(path)
+            slot = free.pop() if free else self._new_slot(settings, path)
             self._shapes[slot] = shape
             try:
                 _fill(self._slot_params[slot], state, path)
@@ -116,7 +138,7 @@ class ServedPolicy:
                 raise
             if name in self.loaded:
                 self._release(name)
-        self.loaded[name] = (slot, str(path))
+        self.loaded[name] = (slot, path)
         self._recent[name] = None
         self._recent.move_to_end(name)
         return evicted
@@ -144,12 +166,23 @@ class ServedPolicy:
                 _drop(self.policy.model, slot)
                 del self._slot_params[slot], self._shapes[slot]
 
-    def _new_slot(self, path: str) -> str:
-        """peft modules for one more adapter of this shape (with `path`'s weights, refilled by the caller)."""
+    def _new_slot(self, settings: dict[str, Any], path: str) -> str:
+        """peft modules for one more adapter of this shape (their values filled by the caller), made from the
+        checked settings: nothing is read again, and no initialisation runs that could touch the base."""
+        from peft import LoraConfig
+
         slot = f"served_{next(self._keys)}"
         model = self.policy.model
+        task_type = next(iter(model.peft_config.values())).task_type
         try:
-            model.load_adapter(str(path), adapter_name=slot, is_trainable=False)
+            targets = list(settings["target_modules"])
+            config = LoraConfig(
+                **{**settings, "target_modules": targets},
+                task_type=task_type,
+                init_lora_weights=False,  # the values come from the file; pissa-like inits rewrite the base
+                inference_mode=True,
+            )
+            model.add_adapter(slot, config)
         except Exception as e:  # noqa: BLE001 - a bad adapter is the client's error, the server stays up
             _drop(model, slot)
             first = str(e).splitlines()[0][:200] if str(e) else ""
@@ -161,24 +194,76 @@ class ServedPolicy:
         return slot
 
 
-def _read_adapter(directory: Path) -> tuple[tuple, dict[str, torch.Tensor]]:
-    """(the adapter's shape: what a slot must share with it, its tensors by PEFT key)."""
-    from safetensors.torch import load_file
+def _read_adapter(directory: AdapterDir, max_bytes: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(the settings that shape the adapter's slot, its tensors by PEFT key), both parsed from bytes read through
+    `directory`'s descriptor."""
+    from safetensors.torch import load
 
-    config_file, weights = directory / "adapter_config.json", directory / "adapter_model.safetensors"
-    if not config_file.is_file() or not weights.is_file():
-        raise MappaError(f"No adapter found for {directory} (adapter_config.json and adapter_model.safetensors)")
+    path = directory.path
     try:
-        config = json.loads(config_file.read_text())
-        state = load_file(str(weights))
+        raw_config = read_beneath(directory.fd, "adapter_config.json", MAX_CONFIG_BYTES)
+        raw_weights = read_beneath(directory.fd, "adapter_model.safetensors", max_bytes)
+    except FileRefused as e:
+        if e.kind == "missing":
+            files = "adapter_config.json and adapter_model.safetensors"
+            raise MappaError(f"No adapter found for {path} ({files})") from None
+        raise MappaError(f"lora_path {path}: {e}") from None
+    try:
+        config = json.loads(raw_config)
+        state = load(raw_weights)
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error type on damaged files
-        raise MappaError(f"cannot read adapter {directory} ({type(e).__name__})") from None
-    if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora") or config.get("modules_to_save"):
-        raise MappaError(f"adapter {directory}: only plain LoRA adapters are supported (no DoRA, no modules_to_save)")
-    targets = config.get("target_modules")
-    shape = (config.get("r"), config.get("lora_alpha"), repr(sorted(targets) if isinstance(targets, list) else targets),
-             bool(config.get("use_rslora")), config.get("bias", "none"))  # fmt: skip
-    return shape, state
+        raise MappaError(f"cannot read adapter {path} ({type(e).__name__})") from None
+    if not isinstance(config, dict):
+        raise MappaError(f"cannot read adapter {path} (adapter_config.json is not an object)")
+    settings = _plain_lora(config, path)
+    _check_rank(state, settings["r"], path)
+    return settings, state
+
+
+# What a plain LoRA config may hold besides the settings that shape a slot: keys that change nothing when the
+# adapter serves. Any other key set to something (DoRA, modules_to_save, rank or alpha patterns, layer
+# replication, ...) changes the modules or their scaling, and is refused rather than ignored.
+_INERT_KEYS = frozenset({
+    "peft_type", "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+    "inference_mode", "lora_dropout", "init_lora_weights", "bias", "megatron_core", "qalora_group_size",
+    "runtime_config",
+})  # fmt: skip
+_SHAPE_KEYS = ("r", "lora_alpha", "target_modules", "use_rslora", "fan_in_fan_out")
+_MODULE_NAME = re.compile(r"[A-Za-z0-9_.]{1,200}")  # a name, never a pattern that peft would run as a regex
+
+
+def _plain_lora(config: dict[str, Any], path: str) -> dict[str, Any]:
+    """The settings of `_SHAPE_KEYS` from a plain LoRA adapter's config; MappaError for any other config."""
+    unsupported = sorted(k for k, v in config.items() if v and k not in _INERT_KEYS and k not in _SHAPE_KEYS)
+    if config.get("peft_type", "LORA") != "LORA" or config.get("bias", "none") != "none" or unsupported:
+        what = f" (it sets {', '.join(unsupported[:3])})" if unsupported else ""
+        raise MappaError(f"adapter {path}: only plain LoRA adapters are supported{what}")
+    r, alpha, targets = config.get("r"), config.get("lora_alpha"), config.get("target_modules")
+    if type(r) is not int or r < 1 or type(alpha) not in (int, float) or alpha <= 0:
+        raise MappaError(f"adapter {path}: adapter_config.json needs a positive r and lora_alpha")
+    if (
+        not isinstance(targets, list)
+        or not targets
+        or not all(isinstance(t, str) and _MODULE_NAME.fullmatch(t) for t in targets)
+    ):
+        raise MappaError(f"adapter {path}: adapter_config.json's target_modules must be a list of module names")
+    return {
+        "r": r,
+        "lora_alpha": alpha,
+        "target_modules": tuple(sorted(set(targets))),
+        "use_rslora": bool(config.get("use_rslora")),
+        "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
+    }
+
+
+def _check_rank(state: dict[str, torch.Tensor], r: int, path: str) -> None:
+    """Every tensor a LoRA matrix of rank `r`: a slot then holds no more than the file did per module."""
+    for key, value in state.items():
+        kind = key.rsplit(".", 2)[-2] if key.endswith(".weight") else ""
+        rank = value.shape[0] if kind == "lora_A" and value.dim() == 2 else None
+        rank = value.shape[1] if kind == "lora_B" and value.dim() == 2 else rank
+        if rank != r:
+            raise MappaError(f"adapter {path}: {key} is not a LoRA matrix of rank {r} (adapter_config.json's r)")
 
 
 def _fill(params: dict[str, torch.Tensor], state: dict[str, torch.Tensor], path: str) -> None:

@@ -4,8 +4,10 @@
   `--api-key` does; the key is compared in constant time.
 - `BodyLimitMiddleware`: a body over the cap is a 413, whether it announces its length or streams it in chunks;
   nothing past the cap is read into memory.
-- `AdapterRoots`: `POST /v1/load_lora_adapter` reads adapters only from directories under these roots, after
-  every link is followed (`os.path.realpath`), so a symlink inside a root that points elsewhere is refused.
+- `AdapterRoots`: `POST /v1/load_lora_adapter` reads adapters only from directories under these roots. The
+  directory is opened once beneath its root without following any link (`mappa.beneath`), and its
+  files are read through that descriptor: a link below the root is refused, wherever it leads, and a path
+  swapped for a link after the check is never read.
 
 Both middlewares are plain ASGI: they answer before FastAPI parses anything.
 """
@@ -20,10 +22,10 @@ from collections.abc import Sequence
 from pathlib import Path, PurePath
 from typing import Any
 
+from mappa.beneath import FileRefused, open_beneath
 from mappa.errors import MappaError
 
 OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no credentials
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 Scope = dict[str, Any]
 
@@ -121,9 +123,30 @@ def _within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
+class AdapterDir:
+    """An adapter directory opened beneath an adapter root (`AdapterRoots.open`): its files are read through
+    `fd` (`mappa.beneath.read_beneath`), never by `path`, which is how the client named it. Close it
+    when done (it is a context manager)."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path, self.fd = path, fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> AdapterDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class AdapterRoots:
-    """The directories adapters may be loaded from (see the module docstring). Roots are resolved at every
-    check, so a root created after start (a run's first publish) counts from then on."""
+    """The directories adapters may be loaded from (see the module docstring). A root itself is the operator's
+    and may be a link; it is opened at every load, so a root created after start (a run's first publish)
+    counts from then on."""
 
     def __init__(self, roots: Sequence[str | os.PathLike]) -> None:
         self.roots = tuple(os.path.abspath(os.fspath(r)) for r in roots)
@@ -131,25 +154,39 @@ class AdapterRoots:
     def __repr__(self) -> str:
         return ", ".join(self.roots) or "none"
 
-    def check(self, path: str) -> str:
-        """`path` resolved, when it and the adapter files in it lie under a root; else a MappaError saying why."""
+    def open(self, path: str) -> AdapterDir:
+        """The directory `path` opened beneath the root it lies in, no link followed below the root; else a
+        MappaError saying why. `path` is matched against each root as configured and as resolved."""
         if not self.roots:
             raise MappaError(
                 "loading adapters is off: this server has no adapter root (mappa serve --adapter-root DIR)"
             )
         if ".." in PurePath(path).parts:
             raise MappaError(f"lora_path {path}: '..' is not allowed")
-        real = os.path.realpath(path)
-        roots = [os.path.realpath(r) for r in self.roots]
-        root = next((r for r in roots if _within(real, r)), None)
-        if root is None:
-            linked = " (it is a link that leads outside)" if real != os.path.abspath(path) else ""
-            raise MappaError(f"lora_path {path} is outside the adapter roots ({self!r}){linked}")
-        for name in ADAPTER_FILES:
-            file = os.path.join(real, name)
-            if os.path.lexists(file) and not _within(os.path.realpath(file), root):
-                raise MappaError(f"lora_path {path}: {name} is a link that leads outside the adapter roots")
-        return real
+        where = self._beneath(os.path.abspath(path))
+        if where is None:
+            raise MappaError(f"lora_path {path} is outside the adapter roots ({self!r})")
+        root, rel = where
+        try:
+            root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise MappaError(f"No adapter found for {path} (the adapter root {root}: {e.strerror})") from None
+        try:
+            return AdapterDir(path, open_beneath(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY))
+        except FileRefused as e:
+            if e.kind == "missing":
+                raise MappaError(f"No adapter found for {path} ({e})") from None
+            raise MappaError(f"lora_path {path}: {e}") from None
+        finally:
+            os.close(root_fd)
+
+    def _beneath(self, path: str) -> tuple[str, str] | None:
+        """(the root `path` lies in, spelled as `path` spells it; `path` relative to that root), or None."""
+        for root in self.roots:
+            for spelled in dict.fromkeys((root, os.path.realpath(root))):
+                if _within(path, spelled):
+                    return spelled, os.path.relpath(path, spelled)
+        return None
 
 
 def default_adapter_roots(adapters: str | None, cwd: Path | None = None) -> list[Path]:

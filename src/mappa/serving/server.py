@@ -19,8 +19,9 @@ decoding; a request's seed makes its sampling reproducible whatever it is batche
 Limits (`mappa.serving.guard`): with an API key every path but `/health` needs `Authorization: Bearer KEY`
 (401); a body over the size cap is a 413; a prompt that does not fit the model's context is a 400 before any
 work, and `max_tokens` is clamped to the room the prompt leaves; adapters load only from under the adapter
-roots; at most `max_loaded_adapters` are loaded (least recently used unloaded first); a client that hangs up
-has its row taken out of the batch.
+roots, their files opened without following links and read from what was opened; at most
+`max_loaded_adapters` are loaded (least recently used unloaded first); a client that hangs up has its row
+taken out of the batch.
 
 In-process use (tests, notebooks): `create_app(policy, base_name)` and `start_server(app)`.
 """
@@ -238,18 +239,21 @@ def _add_adapter_routes(app: FastAPI, served: ServedPolicy, engine: ChatEngine, 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoRAIn) -> PlainTextResponse:
         try:
-            path = roots.check(req.lora_path)
+            directory = roots.open(req.lora_path)
         except MappaError as e:
             raise APIError(400, str(e), param="lora_path") from None
 
         def load() -> None:
-            for name in [req.lora_name, *served.load(req.lora_name, path, replace=req.load_inplace)]:
+            for name in [req.lora_name, *served.load(req.lora_name, directory, replace=req.load_inplace)]:
                 forget(name)
 
+        # The files are read through the directory opened above: whatever replaces the path meanwhile is not read.
         try:
             await engine.run(load)
         except MappaError as e:
             raise APIError(400, str(e), param="lora_path") from None
+        finally:
+            directory.close()
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")

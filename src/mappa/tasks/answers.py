@@ -10,7 +10,13 @@ The rules, chosen so that a reward can never come from a stray number or a disca
   answer is 80", "Answer: 80", "#### 80"): small models rarely box, and a stray number never counts;
 - comparison is mathematical (math-verify + sympy): `080` = `80`, `1/2` = `0.5` = `\\frac{1}{2}`, `27.0` = `27`,
   `x=5` = `5`, `1,080` = `1080`, `336^\\circ` = `336`;
-- a gold answer may list alternatives joined by " or " (AIME 2022-II-8 accepts 080 or 081): any one matches.
+- a gold answer may list alternatives joined by " or " (AIME 2022-II-8 accepts 080 or 081): any one matches;
+- a percent sign (`\\%`, `%`, `percent`, `percentage`, `pct`) has one reading per problem, never two: where the
+  gold or the problem speaks of percent it is a unit, dropped from answer and gold alike (`\\boxed{5\\%}` reads 5,
+  right for a gold of 5 or `5\\%`: "By what percent does the area decrease?" has gold 10); where neither does (a
+  problem that asks for a probability or a fraction), it means hundredths (`\\boxed{5\\%}` reads 5/100, right for a
+  gold of 0.05, wrong for 5). Math-verify alone reads `5\\%` as 5 against an integer and as 0.05 against a decimal,
+  so one reply could collect credit for both.
 
 The answer is hostile input (the policy is trained to raise its reward) and the check runs in the trainer and
 in coach threads, so it is bounded: extraction is linear in the reply's length; an answer the same text as
@@ -131,6 +137,27 @@ def extract_answer(text: str) -> str | None:
     text = without_reasoning(text)
     boxes = [b for b in (_normalise(c) for c in boxed_contents(text)) if b]
     return boxes[-1] if boxes else stated_answer(text)
+
+
+# Every spelling of a percent sign that math-verify reads as one (it multiplies by 1/100 or not, by the other
+# side's type), with the spacing before it; each repeat is bounded, so the scan stays linear.
+_PERCENT = re.compile(
+    r"(?:\s|~|\\[,;:! ]){0,8}"
+    r"(?:\\(?:text|textrm|mathrm|mbox)\s{0,8}\{\s{0,8}(?:\\?%|percent(?:age)?|pct)\s{0,8}\}"
+    r"|\\?%|(?<![A-Za-z])(?:percent(?:age)?|pct)(?![A-Za-z]))",
+    re.IGNORECASE,
+)
+
+
+def without_percent(text: str) -> str:
+    """`text` with every percent sign dropped: "5\\%" -> "5", "(10\\%, 20\\%)" -> "(10, 20)" (see the docstring)."""
+    return _PERCENT.sub("", text).strip()
+
+
+def percent_is_a_unit(golds: list[str], problem: str | None) -> bool:
+    """Whether a percent sign in an answer is a unit to drop (the gold or the problem speaks of percent, or the
+    problem is not known) rather than hundredths."""
+    return problem is None or any(_PERCENT.search(g) for g in golds) or _PERCENT.search(problem) is not None
 
 
 def gold_alternatives(gold: str) -> list[str]:
@@ -358,9 +385,10 @@ def _in_process(golds: list[str], answer: str) -> bool:
     return equal_any(golds, answer, timeout)
 
 
-def check_answer(model_text: str, gold: str) -> bool:
+def check_answer(model_text: str, gold: str, problem: str | None = None) -> bool:
     """True when the reply's final answer (`extract_answer`) equals the gold answer or one of its " or "
-    alternatives; an answer `too_costly` to compare is wrong, and so is one whose comparison overruns."""
+    alternatives, a percent sign read once for the `problem` (a unit, or hundredths: see the docstring); an answer
+    `too_costly` to compare is wrong, and so is one whose comparison overruns."""
     answer = extract_answer(model_text)
     golds = gold_alternatives(gold)
     if answer is None or not golds:
@@ -369,4 +397,13 @@ def check_answer(model_text: str, gold: str) -> bool:
         return True
     if too_costly(answer):
         return False
+    unit = percent_is_a_unit(golds, problem)
+    had_sign = _PERCENT.search(answer) is not None
+    answer, golds = without_percent(answer), [without_percent(g) for g in golds]
+    if not answer:
+        return False
+    if had_sign and not unit:
+        answer = f"({answer})/100"
+    if answer in golds:
+        return True
     return _verifier.equal(golds, answer)

@@ -20,49 +20,23 @@ File names go into prompts through `bounded_names`: at most `MAX_LISTED` names, 
 
 from __future__ import annotations
 
-import errno
 import io
 import os
 import re
-import stat
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from mappa.beneath import FileRefused, open_file
+
 MAX_LISTED = 40  # file names a prompt or a coach's evidence shows of one list
 MAX_NAME_CHARS = 100  # longer names are shown cut in the middle
 
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-_KINDS = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISCHR, "a device"),
-    (stat.S_ISBLK, "a device"),
-    (stat.S_ISSOCK, "a socket"),
-)
 _MORE = re.compile(r"\.\.\. and \d+ more")
-
-
-class AgentFileError(Exception):
-    """A workspace file the host refuses to read; the message is the one-line reason, `kind` its class:
-    "missing", "link", "not_regular", "too_large", "unreadable" or "name"."""
-
-    def __init__(self, kind: str, reason: str) -> None:
-        super().__init__(reason)
-        self.kind = kind
-
-
-def _check(name: str, st: os.stat_result, max_bytes: int) -> None:
-    if stat.S_ISLNK(st.st_mode):
-        raise AgentFileError("link", f"{name} is a symbolic link (links are not followed)")
-    if not stat.S_ISREG(st.st_mode):
-        what = next((w for test, w in _KINDS if test(st.st_mode)), "not a regular file")
-        raise AgentFileError("not_regular", f"{name} is {what}, not a regular file")
-    if st.st_nlink != 1:  # a hard link shares its content with a file elsewhere
-        raise AgentFileError("link", f"{name} is a hard link ({st.st_nlink} names for one file)")
-    if st.st_size > max_bytes:
-        raise AgentFileError("too_large", f"{name} is {st.st_size:,} bytes, more than the {max_bytes:,} allowed")
+# A refusal: its message is a one-line reason that never quotes the file, `kind` its class ("missing", "link",
+# "not_regular", "too_large", "unreadable" or "name"). The checks are `mappa.beneath`'s, shared with `mappa serve`.
+AgentFileError = FileRefused
 
 
 def _open_checked(workspace: Path, name: str, max_bytes: int) -> int:
@@ -74,32 +48,9 @@ def _open_checked(workspace: Path, name: str, max_bytes: int) -> int:
     except (FileNotFoundError, NotADirectoryError):
         raise AgentFileError("missing", f"no {name} (no folder {workspace.name})") from None
     try:
-        try:
-            before = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            raise AgentFileError("missing", f"no {name}") from None
-        except OSError as e:
-            raise AgentFileError("unreadable", f"{name} could not be read ({e.strerror})") from None
-        _check(name, before, max_bytes)  # before opening: opening a device or a FIFO may act or block
-        try:
-            fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
-        except FileNotFoundError:
-            raise AgentFileError("missing", f"no {name}") from None
-        except OSError as e:
-            if e.errno == errno.ELOOP:  # swapped for a link after the check
-                raise AgentFileError("link", f"{name} is a symbolic link (links are not followed)") from None
-            raise AgentFileError("unreadable", f"{name} could not be opened ({e.strerror})") from None
+        return open_file(dir_fd, name, name, max_bytes)[0]
     finally:
         os.close(dir_fd)
-    try:
-        after = os.fstat(fd)
-        if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
-            raise AgentFileError("link", f"{name} was replaced while being opened")
-        _check(name, after, max_bytes)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 class _Capped(io.RawIOBase):

@@ -266,6 +266,6 @@ class MathChat:
             task=s.task,
             actions=tuple(s.actions),
             final_answer=extract_answer(verifier.text) if verifier is not None else None,
-            correct=check_answer(verifier.text, s.task.answer) if verifier is not None else False,
+            correct=check_answer(verifier.text, s.task.answer, s.task.problem) if verifier is not None else False,
             meta=episode_meta(s, self.keep_workspaces),
         )
