@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+from dataclasses import replace
 from pathlib import Path
 from typing import get_args
 
@@ -15,7 +16,9 @@ from mappa.coach import COACHES, build_coach, parse_score, training_score
 from mappa.coach.cache import JudgmentCache, cache_key, context_hash
 from mappa.coach.parse import TokenLogprob, expected_score, parse_answer_correct, rationale_of
 from mappa.coach.prompts import (
+    MIN_FIELD_CHARS,
     TEMPLATES,
+    Cut,
     EvidenceTooLong,
     build_messages,
     fit_prompt,
@@ -141,7 +144,7 @@ def test_prompt_never_renders_ground_truth_for_non_final_agents() -> None:
         text = "\n".join(m["content"] for m in build_messages(leaked, template))
         assert GROUND_TRUTH not in text
         assert "ANSWER_CORRECT" not in text
-    assert GROUND_TRUTH not in follow_up_message(leaked)["content"]
+    assert "ANSWER_CORRECT" not in follow_up_message(False)["content"]
 
 
 def test_prompt_renders_ground_truth_for_the_final_agent() -> None:
@@ -149,7 +152,7 @@ def test_prompt_renders_ground_truth_for_the_final_agent() -> None:
     text = build_messages(final, template_for("", "mathchat"))[1]["content"]
     assert GROUND_TRUTH in text
     assert "ANSWER_CORRECT" in text
-    assert "ANSWER_CORRECT" in follow_up_message(final)["content"]
+    assert "ANSWER_CORRECT" in follow_up_message(True)["content"]
 
 
 def test_prompt_holds_the_evidence() -> None:
@@ -226,11 +229,27 @@ def test_fit_prompt_cuts_the_oldest_input_first_and_never_the_output() -> None:
     assert byte_count(tighter) > budget
 
 
-def test_fit_prompt_gives_up_rather_than_cut_the_output() -> None:
+def test_fit_prompt_cuts_every_field_to_its_head_and_tail_once_the_input_is_out() -> None:
     template = TEMPLATES["mathchat"]
-    c = ctx(messages=_turns(2, 100), output="O" * 10_000)
-    with pytest.raises(EvidenceTooLong, match="without any of the agent's input"):
-        fit_prompt(c, template, 5_000, byte_count)
+    c = ctx(messages=_turns(2, 100), output="HEAD" + "O" * 10_000 + "TAIL", observation="x" * 3_000)
+    messages, cut = fit_prompt(c, template, 5_000, byte_count)
+    text = messages[1]["content"]
+    assert byte_count(messages) <= 5_000 and cut.dropped == 2  # the input goes first
+    assert MIN_FIELD_CHARS <= cut.field_chars < 3_000 and cut.fields == 2  # the output and the observation
+    assert "HEAD" in text and "TAIL" in text and "characters cut from the middle of this text" in text
+    assert "2 fields cut to" in cut.describe() and "2 of the agent's input messages" in cut.describe()
+    # The limit is as large as fits: one character more does not.
+    assert byte_count(build_messages(c, template, replace(cut, field_chars=cut.field_chars + 1))) > 5_000
+
+
+def test_fit_prompt_gives_up_below_the_smallest_field_and_on_a_budget_under_the_template() -> None:
+    template = TEMPLATES["mathchat"]
+    c = ctx(output="O" * 10_000, observation="x" * 10_000, task="t" * 10_000, role="r" * 10_000)
+    empty = byte_count(build_messages(c, template, Cut(len(c.messages), 0, 0)))
+    with pytest.raises(EvidenceTooLong, match=f"every field cut to {MIN_FIELD_CHARS} characters"):
+        fit_prompt(c, template, empty + 10, byte_count)  # the template fits, its fields at their least do not
+    with pytest.raises(MappaError, match="coach.max_context_tokens: the mathchat prompt needs"):
+        fit_prompt(c, template, empty - 1, byte_count)
 
 
 def test_token_counter_prefers_a_local_tokenizer_and_falls_back_to_bytes(tmp_path: Path) -> None:
@@ -238,10 +257,11 @@ def test_token_counter_prefers_a_local_tokenizer_and_falls_back_to_bytes(tmp_pat
 
     tiny_tokenizer().save_pretrained(tmp_path / "tok")
     messages = [{"role": "user", "content": "hello world " * 50}]
-    count, name = token_counter("", str(tmp_path / "tok"))
+    count, name, specials = token_counter("", str(tmp_path / "tok"))
     assert name.startswith("tokenizer") and 0 < count(messages) < byte_count(messages)
-    count, name = token_counter("", "some-api-model-not-on-disk")
-    assert name == "UTF-8 bytes" and count is byte_count
+    assert "<|im_end|>" in specials  # broken up in agent text, so that it cannot end the coach's turn
+    count, name, specials = token_counter("", "some-api-model-not-on-disk")
+    assert name == "UTF-8 bytes" and count is byte_count and specials == ()
     with pytest.raises(MappaError, match="coach.tokenizer"):
         token_counter(str(tmp_path / "missing"), "m")
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from mappa.coach import build_coach
-from mappa.coach.prompts import TEMPLATES, fit_prompt
+from mappa.coach.prompts import TEMPLATES, fit_prompt, follow_up_message
 from mappa.config import CoachConfig, GenerationConfig
 from mappa.types import Action, CoachContext, Episode, ExecResult, Message, Task, read_jsonl, write_jsonl
 from mappa.workflows.mathchat import CODER, SOLVER, VERIFIER, MathChat
@@ -264,7 +264,7 @@ def test_local_coach_fits_long_evidence_to_its_budget(tmp_path: Path) -> None:
     policy = Policy.from_model(model, tokenizer, ["verifier"])
     # Whole: 4229 tokens; without the oldest two input messages 3283, with the last character of the second 3391
     # (its fence and cut note), without three 2743 (measured).
-    cfg = CoachConfig(backend="local", max_tokens=16, max_context_tokens=3500, cache=False)
+    cfg = CoachConfig(backend="local", max_tokens=16, max_context_tokens=3700, cache=False)
     turns = tuple(Message(role="user", content=f"turn {i}: " + "word " * 150) for i in range(4))
     (long,) = [c.model_copy(update={"messages": turns}) for c in contexts(1)[-1:]]
     with build_coach(cfg, "mathchat", policy=policy) as runner:
@@ -272,7 +272,8 @@ def test_local_coach_fits_long_evidence_to_its_budget(tmp_path: Path) -> None:
         stats = runner.stats()
         fit = runner.coach.fit
         sent, cut = fit_prompt(long, TEMPLATES["mathchat"], fit.budget, fit.count)
-    assert fit.budget == 3500 - 16  # the reply's room is kept free
+    # Room is kept for the reply, and for the follow-up exchange: the first reply, the question, the second reply.
+    assert fit.budget == 3700 - 2 * 16 - fit.count([follow_up_message(True)])
     # Without the two oldest it fits with room to spare, so the newest part of the second comes back.
     assert (cut.dropped, cut.messages) == (1, 2) and cut.chars > 0
     assert score.truncated_inputs == 2 and stats["truncated_contexts"] == 1

@@ -362,11 +362,19 @@ def test_budget_cuts_the_oldest_input_and_counts_it(serve) -> None:
     assert runner.stats()["truncated_contexts"] == 2 and runner.stats()["cache_hits"] == 1
 
 
-def test_evidence_that_cannot_fit_is_unscored_not_sent(serve) -> None:
+def test_an_output_over_the_budget_is_cut_to_its_head_and_tail_and_sent(serve) -> None:
+    server, runner = serve({}, max_context_tokens=6_000, max_tokens=256)
+    (score,) = runner.score_many([ctx("huge", output="A" + "Z" * 10_000 + "B")])
+    sent = server.requests[0]["messages"]
+    assert score.score == 7.0 and sum(len(m["content"].encode()) for m in sent) <= 6_000 - 256
+    assert "\nA" in sent[1]["content"] and "B\n" in sent[1]["content"]
+
+
+def test_a_budget_smaller_than_the_template_stops_the_run(serve) -> None:
     server, runner = serve({}, max_context_tokens=2_000, max_tokens=256)
-    (score,) = runner.score_many([ctx("huge", output="Z" * 5_000)])
-    assert score.score is None and "evidence too long" in score.error
-    assert not server.requests and runner.stats()["unscored"] == 1
+    with pytest.raises(MappaError, match="coach.max_context_tokens: the mathchat prompt needs"):
+        runner.score_many([ctx("any")])
+    assert not server.requests
 
 
 def test_an_endpoint_that_is_down_leaves_the_action_unscored_and_uncached(

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 from fakes import Reply, ScriptedPolicy
 
-from mappa.coach.caps import score_cap
+from mappa.coach.caps import apply_caps, score_cap
 from mappa.coach.prompts import DS_PIPELINE, build_messages
 from mappa.coach.replay import episode_contexts
 from mappa.coach.rubric import rubric_score
@@ -244,8 +244,12 @@ def test_a_forgotten_x_test_is_blamed_on_the_data_engineer_not_the_modeler(bench
     analyst_prompt = build_messages(scorer.contexts[-1], DS_PIPELINE)[1]["content"]
     # File names are JSON strings; the cap's number stands outside the evidence fences, its rule inside.
     assert '- "X_test.pkl" (the data_engineer\'s)' in analyst_prompt and "Test-set evaluation" in analyst_prompt
-    assert "Hard cap on this action's score\nnone\n<<<EVIDENCE-" in analyst_prompt
+    # No valid submission, an earlier agent's file missing: capped at 3, never above a trivial submission's cap.
+    assert "Hard cap on this action's score\nat most 3\n<<<EVIDENCE-" in analyst_prompt
     assert "no valid submission" in analyst_prompt
+    assert "earlier agents' files were missing or unusable" in analyst_prompt
+    capped = [apply_caps(c, rubric_score(c)) for c in scorer.contexts if c.agent == "analyst"]
+    assert [c.score for c in capped] == [3.0, 3.0] and "capped at 3 from 4" in capped[0].rationale
     assert "a missing required file is the fault of the agent that had to save" in analyst_prompt
     de_prompt = build_messages(scorer.contexts[0], DS_PIPELINE)[1]["content"]
     assert "Test-set evaluation" not in de_prompt and 'missing after the action: "X_test.pkl"' in de_prompt
@@ -261,7 +265,9 @@ def test_score_caps_follow_the_paper_and_the_reference_share() -> None:
     assert score_cap(test("roc_auc", 0.50, 0.0), {})[0] == 3
     assert score_cap(test("rmse", 30.0, 0.95), {"range": 100.0})[0] == 6  # 30% of the range
     assert score_cap(test("rmsle", 0.3, 0.5), {})[0] == 6
-    assert score_cap({"valid": False, "metric": "rmse", "score": None, "reference_fraction": 0.0}, {})[0] is None
+    # No success, no valid submission: never above what the trivial prediction earns (test_redteam_dsbench.py).
+    assert score_cap({**test("accuracy", 0.90, 1.0), "success": False}, {})[0] == 4
+    assert score_cap({"valid": False, "metric": "rmse", "score": None, "reference_fraction": 0.0}, {})[0] == 2
 
 
 def test_a_task_without_files_is_a_one_line_error(sandbox) -> None:

@@ -54,6 +54,24 @@ def test_episode_metrics_pooled_per_source_per_agent() -> None:
     assert math.isnan(m["eval/v/score_mean"]) and m["eval/v/scored"] == 0
 
 
+def test_tabular_success_is_its_own_rate_beside_the_valid_rate() -> None:
+    """A success (better than every trivial prediction) drives the accuracy; the paper's valid rate stays beside
+    it. Episodes recorded before the success rule carry no `success`: no success rate is made up for them."""
+
+    def tabular(i: int, valid: bool, success: bool | None) -> Episode:
+        sub = {"valid": valid, "gap": 0.5 if valid else 0.0, "reference_fraction": 1.0 if valid else 0.0}
+        sub |= {} if success is None else {"success": success}
+        t = Task(id=f"t{i}", problem="", answer="", source="dsbench", meta={"data_type": "regression"})
+        return Episode(id=str(i), workflow="ds_pipeline", task=t, correct=bool(success), meta={"submission": sub})
+
+    m = episode_metrics([tabular(1, True, True), tabular(2, True, False), tabular(3, False, False)], [], "eval")
+    assert m["eval/accuracy"] == pytest.approx(1 / 3) and m["eval/tabular/success_rate"] == pytest.approx(1 / 3)
+    assert m["eval/tabular/valid_rate"] == pytest.approx(2 / 3)  # a sample copy is valid and no success
+    assert m["eval/tabular/regression/success_rate"] == pytest.approx(1 / 3)
+    old = episode_metrics([tabular(1, True, None), tabular(2, False, None)], [], "eval")
+    assert "eval/tabular/success_rate" not in old and old["eval/tabular/valid_rate"] == 0.5
+
+
 def test_episode_metrics_of_nothing_is_zeros_not_an_error() -> None:
     m = episode_metrics([], ["s"], "train")
     assert m["train/accuracy"] == 0.0 and m["train/s/actions"] == 0.0 and sources(m, "train") == []

@@ -183,9 +183,10 @@ class CoachConfig(Section):
     max_context_tokens: int | None = Field(
         None,
         ge=64,
-        description="Coach context (prompt + reply) in tokens; evidence over it loses its oldest input messages "
-        "first (never the output). None: the backend's default, the local model's own context; 32768 for the "
-        "openai backend (mappa.coach.openai_backend.DEFAULT_CONTEXT_TOKENS). Every backend has a budget.",
+        description="Coach context (prompt + replies) in tokens; evidence over it loses its oldest input messages "
+        "first, then every long field its middle. None: the backend's default, the local model's own context; "
+        "32768 for the openai backend (mappa.coach.openai_backend.DEFAULT_CONTEXT_TOKENS). Every backend has a "
+        "budget.",
     )
     tokenizer: str = Field(
         "",

@@ -8,12 +8,16 @@ their own prefix (`train/`, `rollout/`, `eval/`):
     <prefix>/sandbox/runs, time_s, error_rate, timeout_rate       the code tool
     <prefix>/<agent>/actions, actions_per_episode, response_tokens, truncation_rate,
                      tool_use_rate, code_error_rate, scored, score_mean
-    <prefix>/tabular/valid_rate, gap, reference_fraction, episodes     tabular tasks (ds_pipeline) pooled, and
+    <prefix>/tabular/success_rate, valid_rate, gap, reference_fraction, episodes     tabular tasks (ds_pipeline)
     <prefix>/tabular/<data_type>/...  the same, plus <agent>/score_mean, per task type (classification, regression)
 
-The tabular figures read `Episode.meta["submission"]`: the share of valid submissions, and DSBench's relative gap
-and the share of the reference model's gain reached, both averaged with 0 for a missing or invalid submission
-(the fair metric: a failed run counts as no better than a trivial prediction, never left out).
+On tabular tasks `accuracy` is the success rate: `Episode.correct` is a success, a valid submission strictly
+better than every trivial prediction (docs/dsbench.md). The tabular figures read `Episode.meta["submission"]`: the
+share of successes (`success_rate`, the same number as the accuracy of these episodes), the share of valid
+submissions (`valid_rate`, the paper's "success", which a copy of sample_submission.csv reaches), and DSBench's
+relative gap and the share of the reference model's gain reached, both averaged with 0 for a missing or invalid
+submission (the fair metric: a failed run counts as no better than a trivial prediction, never left out).
+Episodes recorded before the success rule carry no `success`: `success_rate` is left out where any lacks it.
 
 `accuracy_gain` compares two evaluations: Wilson 95% intervals for each accuracy, and for the difference
   - paired, when both evaluations hold the same episodes (same tasks, same sample count): the Agresti-Min
@@ -105,7 +109,10 @@ def _tabular_summary(episodes: Sequence[Episode], head: str) -> dict[str, float]
         return _share(sum(float(s[key]) if s["valid"] else 0.0 for s in subs), n)
 
     paper = paper_means([s["paper"] for s in subs if s.get("paper")])
+    judged = all("success" in s for s in subs)
+    success = {f"{head}/success_rate": _share(sum(bool(s["success"]) for s in subs), n)} if judged else {}
     return {
+        **success,
         f"{head}/valid_rate": _share(sum(bool(s["valid"]) for s in subs), n),
         f"{head}/gap": fair_mean("gap"),
         f"{head}/reference_fraction": fair_mean("reference_fraction"),

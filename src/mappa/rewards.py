@@ -12,7 +12,9 @@ An action leaves the training batch, counted by reason, when it
   - is empty (no response tokens: nothing to put a gradient on);
   - ran code that hit a sandbox infra_error (the infrastructure failed, not the agent: never blamed);
   - was cut off by the token cap, with `train.drop_truncated` (its last token is not its decision);
-  - has no score and `coach.on_unscored: skip` (nothing invents a reward; `neutral` gives it 5).
+  - has no score and `coach.on_unscored: skip` (nothing invents a reward; `neutral` gives it 5). Only the
+    coach's own failures leave an action without a score: one whose own content the coach could not judge
+    is judged on a cut of its evidence or scored 0 (`mappa.coach.judge`), never better off than one judged bad.
 """
 
 from __future__ import annotations

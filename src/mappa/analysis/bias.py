@@ -72,13 +72,14 @@ class ActionTable:
 
 def quality_of(episode: Episode) -> float:
     """The richest ground truth beyond right/wrong: a data-science submission's share of the reference model's
-    gain over a trivial prediction (clipped to [-1, 1.5] so one broken metric cannot dominate; 0 for an invalid
-    submission); NaN where the workflow records none."""
+    gain over a trivial prediction (clipped to [-1, 1.5] so one broken metric cannot dominate; 0 for a submission
+    that is no success, invalid or no better than a trivial prediction); NaN where the workflow records none.
+    Episodes recorded before the success rule count every valid submission."""
     sub = episode.meta.get("submission")
     if not isinstance(sub, dict):
         return float("nan")
     frac = sub.get("reference_fraction")
-    if not sub.get("valid") or not isinstance(frac, int | float) or not math.isfinite(frac):
+    if not sub.get("success", sub.get("valid")) or not isinstance(frac, int | float) or not math.isfinite(frac):
         return 0.0
     return float(min(1.5, max(-1.0, frac)))
 

@@ -7,9 +7,12 @@ cache, accounting (calls, cache hits, retries, failures, unscored, truncated con
 tokens, cost), and the score caps the evidence carries (`mappa.coach.caps`), enforced in code on
 every backend's score rather than left to the coach's compliance.
 
-Unscored is a first-class outcome: when a reply has no score line after one follow-up, or the
-endpoint fails after its retries, `CoachScore.score` is None. Nothing invents a 5.0; the trainer
-decides with `training_score(score, cfg.on_unscored)` whether such an action is skipped or neutral.
+Unscored is a first-class outcome, and the coach's alone: when a reply has no score line after one
+follow-up, or the endpoint fails after its retries, `CoachScore.score` is None. Nothing invents a 5.0; the
+trainer decides with `training_score(score, cfg.on_unscored)` whether such an action is skipped or neutral.
+An action's own content never leaves it unscored (`mappa.coach.judge`: cut to fit, or the worst score), and
+the runner shows every coach the context's text readable (`readable_context`): a control character or lone
+surrogate an agent left could otherwise not be hashed, sent or read.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from mappa.coach.cache import JudgmentCache, cache_key, context_hash
 from mappa.coach.caps import apply_caps
-from mappa.coach.judge import REQUEST_FAILED
+from mappa.coach.judge import REQUEST_FAILED, superseded
 from mappa.coach.parse import expected_score, parse_answer_correct, parse_score
 from mappa.coach.plugin import load_plugin_coach, plugin_coach
-from mappa.coach.prompts import TEMPLATES, Template, build_messages, template_for
+from mappa.coach.prompts import TEMPLATES, Template, build_messages, readable_context, template_for
 from mappa.config import CoachConfig
 from mappa.protocols import CallCounters, Coach, ProgressFn
 from mappa.types import CoachContext, CoachScore
@@ -144,7 +147,8 @@ class CoachRunner:
         return hit.model_copy(update={"cached": True})
 
     async def score_one(self, ctx: CoachContext) -> CoachScore:
-        """One judgment (from the cache when there), within the score caps of its context."""
+        """One judgment (from the cache when there) of the context made readable, within its score caps."""
+        ctx = readable_context(ctx)
         return apply_caps(ctx, await self._score_cached(ctx))
 
     async def _score_cached(self, ctx: CoachContext) -> CoachScore:
@@ -152,7 +156,7 @@ class CoachRunner:
             return await self._score_uncached(ctx, "", "")
         key, h = self._key(ctx)
         hit = self.cache.get(key)
-        if hit is not None:
+        if hit is not None and not superseded(ctx, hit):
             return self._count_hit(hit)
         # The same context twice in flight (e.g. two samples with identical output): pay once.
         pending = self._inflight.get(key)

@@ -10,8 +10,14 @@ of its recorded episodes (`mappa coach score`) get the same caps because they re
 caps a context gets, the tightest applying:
 
 - the final agent's submission (`CoachContext.extra["test_evaluation"]`, with `["target_statistics"]`, which
-  `ds_pipeline` records for the Analyst): capped by the test metric and the share of the reference model's
-  gain it reaches (`submission_cap`, method.md §3);
+  `ds_pipeline` records for the Analyst): a success capped by the test metric and the share of the reference
+  model's gain it reaches (method.md §3); a valid submission that is no success (no better than a trivial
+  prediction) at TRIVIAL_CAP or lower; a missing or invalid one at INVALID_CAP, or INVALID_UPSTREAM_CAP when an
+  earlier agent's required file was missing or unusable (`extra["missing_upstream"]`), both at most every cap
+  a trivial submission can get, so writing nothing never beats writing the trivial prediction
+  (`submission_cap`);
+- a required file the agent saved that does not hold what it claims (`extra["receipts"]`, recorded by
+  `ds_pipeline` from a check inside the sandbox): at most RECEIPT_CAP, as for a file not saved;
 - a cap the context states (`extra["score_cap"]`, a number or None, with `extra["score_cap_rule"]`, why), for
   a workflow with a rule of its own; like every cap it can only lower a score.
 
@@ -34,6 +40,13 @@ Cap = tuple[float, str]  # (the highest score allowed, the rule that sets it)
 PAPER_CAPS = ((0.85, 9), (0.75, 8), (0.65, 6), (0.55, 4))  # roc_auc, accuracy at least x; below: 3
 RMSE_CAPS = ((10.0, 9), (25.0, 8), (50.0, 6))  # RMSE in % of the target's range below x; above: 4
 REFERENCE_CAPS = ((0.9, 9), (0.7, 8), (0.4, 6), (0.1, 5))  # share of the reference's gain at least x; below: 4
+# A submission that is no success, and one that is missing or invalid. The lowest cap a trivial submission can get
+# is PAPER_CAPS' floor (3), so an invalid one stays at or below it even when an earlier agent is to blame: the
+# blame rules' upstream exception lifts it from 2 to 3, never above what the trivial prediction would earn.
+TRIVIAL_CAP = 4
+INVALID_CAP = 2
+INVALID_UPSTREAM_CAP = 3
+RECEIPT_CAP = 4  # a required file present but not what it claims (empty, garbage, the wrong rows, unfitted)
 
 
 def _step_cap(value: float, steps: Sequence[tuple[float, int]], floor: int, below: bool = False) -> int:
@@ -43,13 +56,23 @@ def _step_cap(value: float, steps: Sequence[tuple[float, int]], floor: int, belo
     return floor
 
 
-def score_cap(test: Mapping[str, Any], stats: Mapping[str, Any]) -> tuple[int | None, str]:
-    """The highest score a submission's action may get given its test-set evaluation (`test`) and the target's
-    statistics (`stats`), and why (None: no cap, for no valid submission the coach's blame rules apply instead)."""
+def score_cap(
+    test: Mapping[str, Any], stats: Mapping[str, Any], upstream: Mapping[str, str] | None = None
+) -> tuple[int | None, str]:
+    """The highest score a submission's action may get given its test-set evaluation (`test`), the target's
+    statistics (`stats`) and the earlier agents' required files missing or unusable when its agent began
+    (`upstream`: file -> agent), and why (None: no rule caps it)."""
     metric, score, share = test.get("metric"), test.get("score"), test.get("reference_fraction")
     if not test.get("valid") or score is None:
-        return None, "no valid submission: the blame rules apply"
+        reason = str(test.get("reason") or "no submission")
+        if upstream:
+            owed = ", ".join(f"{name} ({agent})" for name, agent in list(upstream.items())[:5])
+            why = f"no valid submission ({reason}); earlier agents' files were missing or unusable: {owed}"
+            return INVALID_UPSTREAM_CAP, f"at most {INVALID_UPSTREAM_CAP}: {why}"
+        return INVALID_CAP, f"at most {INVALID_CAP}: no valid submission ({reason})"
     caps = []
+    if test.get("success") is False:  # evidence recorded before the success rule has no "success": metric caps only
+        caps.append((TRIVIAL_CAP, f"no better than a trivial prediction ({test.get('trivial') or 'no success'})"))
     if share is not None:  # a task without a reference score has no share of its gain
         gain = f"{share:.0%} of the reference model's gain over a trivial prediction"
         caps.append((_step_cap(share, REFERENCE_CAPS, 4), gain))
@@ -69,7 +92,7 @@ def submission_cap(ctx: CoachContext) -> tuple[int | None, str] | None:
     test = ctx.extra.get("test_evaluation")
     if not ctx.is_final or not test:
         return None
-    return score_cap(test, ctx.extra.get("target_statistics") or {})
+    return score_cap(test, ctx.extra.get("target_statistics") or {}, ctx.extra.get("missing_upstream") or {})
 
 
 def _submission(ctx: CoachContext) -> Cap | None:
@@ -86,7 +109,28 @@ def _stated(ctx: CoachContext) -> Cap | None:
     return float(cap), str(ctx.extra.get("score_cap_rule") or f"at most {float(cap):g}")
 
 
-_READERS: tuple[Callable[[CoachContext], Cap | None], ...] = (_submission, _stated)
+def unusable_files(ctx: CoachContext) -> dict[str, str]:
+    """The agent's required files present after the action whose receipt says they are not what they claim:
+    file -> why. Evidence recorded without receipts counts every present file (nothing to go on)."""
+    receipts = ctx.extra.get("receipts") or {}
+    after = set(ctx.extra.get("files_after", ctx.files_visible))
+    out = {}
+    for name in ctx.extra.get("required_files", ()):
+        receipt = receipts.get(name)
+        if name in after and isinstance(receipt, Mapping) and receipt.get("ok") is not True:
+            out[name] = str(receipt.get("why") or "not what it claims")
+    return out
+
+
+def _receipts(ctx: CoachContext) -> Cap | None:
+    bad = unusable_files(ctx)
+    if not bad:
+        return None
+    why = "; ".join(f"{name}: {reason}" for name, reason in list(bad.items())[:5])
+    return float(RECEIPT_CAP), f"at most {RECEIPT_CAP}: a required file does not hold what it claims ({why})"
+
+
+_READERS: tuple[Callable[[CoachContext], Cap | None], ...] = (_submission, _receipts, _stated)
 
 
 def score_caps(ctx: CoachContext) -> list[Cap]:

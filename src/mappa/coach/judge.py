@@ -4,6 +4,20 @@ The prompt fences the evidence with a fresh random token (`mappa.coach.prompts.d
 score is its own verdict line only (`mappa.coach.parse.verdict`). Score caps are not applied here but by
 `CoachRunner`, to every backend alike (`mappa.coach.caps`).
 
+Unjudgeable is never better than judged-bad. An unscored action is left out of training, so an action whose
+own content left it unscored would escape the low score a judged one gets, and a policy would learn to
+produce it. The rule, in this function for every model-backed coach:
+- evidence over the coach's budget is judged cut to fit (`fit_prompt`: the oldest input first, then every
+  field to its head and tail), the cut stated in the prompt and at the head of the rationale;
+- the action scores `WORST_SCORE` when nothing judgeable is left of it: an output with no visible text,
+  evidence that does not fit even cut to `MIN_FIELD_CHARS` a field, or replies that stay without an
+  unambiguous verdict while the action's own text holds the verdict's markers (which the coach then quotes);
+- only the coach's own failures leave it unscored: the endpoint failing after its retries, or no verdict
+  after the follow-up with no marker in the action's text. A setting under which no action can be judged (a
+  budget smaller than the template, an endpoint context smaller than the budget) stops the run.
+Text no coach could read (control characters, lone surrogates) is escaped before any coach or the cache sees
+it (`CoachRunner`, `mappa.coach.prompts.readable_context`).
+
 Shared by the model-backed coaches (`openai`, `local`), which differ only in how they complete a chat and
 count a prompt's tokens (`ChatCoach`).
 """
@@ -14,8 +28,23 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from mappa.coach.parse import TokenLogprob, expected_score, parse_answer_correct, parse_score, rationale_of
-from mappa.coach.prompts import ChatMessages, EvidenceTooLong, Template, fit_prompt, follow_up_message
+from mappa.coach.parse import (
+    TokenLogprob,
+    expected_score,
+    holds_marker,
+    parse_answer_correct,
+    parse_score,
+    rationale_of,
+)
+from mappa.coach.prompts import (
+    MIN_FIELD_CHARS,
+    ChatMessages,
+    EvidenceTooLong,
+    Template,
+    draw_fence,
+    fit_prompt,
+    follow_up_message,
+)
 from mappa.config import CoachConfig
 from mappa.errors import MappaError
 from mappa.protocols import CallCounters
@@ -24,6 +53,10 @@ from mappa.types import CoachContext, CoachScore
 # Errors that start with this prefix mean the endpoint never gave a judgment (after retries):
 # counted as failures and not cached, so a later run asks again.
 REQUEST_FAILED = "request failed"
+NO_VERDICT = "no PROCESS_SCORE line, also after the follow-up"
+# The error of a judgment cached before evidence over the budget was cut to fit: the runner asks again.
+EVIDENCE_TOO_LONG = "evidence too long"
+WORST_SCORE = 0.0
 
 
 class RequestFailed(Exception):
@@ -48,13 +81,46 @@ Complete = Callable[[ChatMessages], Awaitable[Reply]]
 
 @dataclass(frozen=True)
 class Fit:
-    """The coach's prompt budget in tokens (None: no limit) and how it counts a prompt's tokens."""
+    """The coach's prompt budget in tokens (None: no limit), how it counts a prompt's tokens, and the special
+    strings of its tokenizer (broken up in agent text, `mappa.coach.prompts.Fence`)."""
 
     budget: int | None
     count: Callable[[ChatMessages], int]
+    specials: tuple[str, ...] = ()
 
 
 NO_LIMIT = Fit(None, lambda messages: 0)
+
+
+def own_text(ctx: CoachContext) -> str:
+    """What the judged action itself wrote: its output, and its tool call's output and file names."""
+    parts = [ctx.output, ctx.observation]
+    if ctx.exec_result is not None:
+        r = ctx.exec_result
+        parts += [r.stdout, r.stderr, *r.files_created, *r.files_changed]
+    return "\n".join(parts)
+
+
+def _visible(text: str) -> bool:
+    return any(c.isprintable() and not c.isspace() for c in text)
+
+
+def _unjudgeable(why: str) -> str:
+    return f"[unjudgeable: {why}; scored {WORST_SCORE:g}, the worst] "
+
+
+def _worst(why: str, **fields: object) -> CoachScore:
+    """The worst score for an action judged unjudgeable before any request, the rationale saying why."""
+    return CoachScore(score=WORST_SCORE, rationale=_unjudgeable(why).rstrip(), **fields)
+
+
+def superseded(ctx: CoachContext, cached: CoachScore) -> bool:
+    """Whether a cached judgment left the action unscored where the rule above now judges it: it is asked again."""
+    if cached.score is not None or cached.error is None:
+        return False
+    return cached.error.startswith(EVIDENCE_TOO_LONG) or (
+        cached.error.startswith(NO_VERDICT) and holds_marker(own_text(ctx))
+    )
 
 
 async def judge(
@@ -71,24 +137,26 @@ async def judge(
     t0 = time.perf_counter()
     prompt_tokens = completion_tokens = 0
     raw = ""
+    final = ctx.is_final and ctx.ground_truth is not None
+    # Both deterministic, so cached like any judgment (a larger budget is a new key); no request is made.
+    if not _visible(ctx.output):
+        answer = False if final else None  # no answer given is no right answer
+        return _worst("the output has no visible text", answer_correct=answer, backend=backend, model=model)
     try:
-        messages, cut = fit_prompt(ctx, template, fit.budget, fit.count)
-    except EvidenceTooLong as e:  # deterministic, so cached like any judgment; a larger budget is a new key
-        return CoachScore(
-            score=None,
-            error=f"evidence too long: {e}",
-            truncated_inputs=len(ctx.messages),
-            backend=backend,
-            model=model,
-        )
+        messages, cut = fit_prompt(ctx, template, fit.budget, fit.count, draw_fence(ctx, fit.specials))
+    except EvidenceTooLong as e:
+        why = f"its evidence does not fit the coach's budget even cut to {MIN_FIELD_CHARS} characters a field ({e})"
+        return _worst(why, truncated_inputs=len(ctx.messages), backend=backend, model=model)
+    said = cut.describe()
+    note = f"[evidence cut: {said}] " if said else ""
 
-    def result(score: float | None, error: str | None, text: str) -> CoachScore:
+    def result(score: float | None, error: str | None, text: str, why: str = "") -> CoachScore:
         return CoachScore(
             score=score,
-            rationale=rationale_of(text) if text else "",
+            rationale=note + why + (rationale_of(text) if text else ""),
             raw_reply=raw,
             error=error,
-            answer_correct=parse_answer_correct(text) if ctx.is_final and ctx.ground_truth is not None else None,
+            answer_correct=parse_answer_correct(text) if final else None,
             latency_s=time.perf_counter() - t0,
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
@@ -111,7 +179,7 @@ async def judge(
 
     # No unambiguous verdict (none, only mid-text, or contradicted by a quoted score): one follow-up asking for
     # exactly the required lines; the first reply stays as the rationale.
-    follow = [*messages, {"role": "assistant", "content": reply.text}, follow_up_message(ctx)]
+    follow = [*messages, {"role": "assistant", "content": reply.text}, follow_up_message(final)]
     try:
         second = await complete(follow)
     except RequestFailed as e:
@@ -121,13 +189,16 @@ async def judge(
     raw = f"{reply.text}\n\n[follow-up reply]\n{second.text}"
     score = parse_score(second.text)
     if score is None:
+        if holds_marker(own_text(ctx)):  # the action wrote the verdict's markers, which the coach echoes
+            why = _unjudgeable("its own text holds the coach's verdict marker and no reply gave one unambiguously")
+            return result(WORST_SCORE, None, reply.text, why)
         # "line": a verdict line (parse.verdict); a score only quoted or contradicted mid-reply is none.
-        return result(None, "no PROCESS_SCORE line, also after the follow-up", reply.text)
+        return result(None, NO_VERDICT, reply.text)
     if use_expected and second.tokens:
         score = _expected_or(second.tokens, score)
     text = reply.text if reply.text.strip() else second.text
     scored = result(score, None, text)
-    if scored.answer_correct is None and ctx.is_final and ctx.ground_truth is not None:
+    if scored.answer_correct is None and final:
         scored = scored.model_copy(update={"answer_correct": parse_answer_correct(second.text)})
     return scored
 
@@ -153,15 +224,17 @@ class ChatCoach:
         self.version = template.version
         self.counters = CallCounters()
 
-    def prompt_budget(self, context_tokens: int | None) -> int | None:
-        """Prompt tokens left in a context of `context_tokens` once the reply's room is kept free."""
+    def prompt_budget(self, context_tokens: int | None, count: Callable[[ChatMessages], int]) -> int | None:
+        """Prompt tokens left in a context of `context_tokens` once room is kept for the reply and for the
+        follow-up exchange (that reply, the follow-up question and the second reply): a follow-up that overflowed
+        would leave exactly the actions with the most evidence unscored."""
         if context_tokens is None:
             return None
-        budget = context_tokens - self.cfg.max_tokens
+        budget = context_tokens - 2 * self.cfg.max_tokens - count([follow_up_message(True)])
         if budget < 64:
             raise MappaError(
-                f"coach.max_context_tokens: {context_tokens} leaves {budget} tokens for the prompt after "
-                f"coach.max_tokens={self.cfg.max_tokens}"
+                f"coach.max_context_tokens: {context_tokens} leaves {budget} tokens for the prompt after twice "
+                f"coach.max_tokens={self.cfg.max_tokens} and the follow-up question"
             )
         return budget
 

@@ -8,7 +8,9 @@ serving engine; `mappa serve` + the `openai` backend is the continuously batched
 logprobs are always available here, so the expected score applies.
 Small models rarely follow the reply format: expect many unscored actions from a 135M coach.
 Prompts are counted with the coach model's own chat template and tokenizer, against
-`coach.max_context_tokens` (default: the model's context length) less the reply's `coach.max_tokens`.
+`coach.max_context_tokens` (default: the model's context length) less the reply's `coach.max_tokens`; its
+special strings (`<|im_end|>`, ...) are broken up in agent text, which the tokenizer would otherwise read as
+the end of the coach's turn.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 from mappa.coach.judge import ChatCoach, Fit, Reply, RequestFailed
 from mappa.coach.parse import TokenLogprob
 from mappa.coach.prompts import ChatMessages, Template
+from mappa.coach.tokens import special_strings
 from mappa.config import CoachConfig
 from mappa.errors import MappaError
 from mappa.policy import Generation, Policy
@@ -48,7 +51,8 @@ class LocalCoach(ChatCoach):
         super().__init__(cfg, template)
         self.policy = policy
         self.context_tokens = cfg.max_context_tokens or policy.model.config.max_position_embeddings
-        self.fit = Fit(self.prompt_budget(self.context_tokens), lambda chat: len(policy.chat_ids(_messages(chat))))
+        count = lambda chat: len(policy.chat_ids(_messages(chat)))  # noqa: E731 - the coach's own template and tokens
+        self.fit = Fit(self.prompt_budget(self.context_tokens, count), count, special_strings(policy.tokenizer))
         self.batches: list[int] = []  # judgments per generate call, in order
         self._waiting: list[tuple[ChatMessages, asyncio.Future[Generation]]] = []
         self._drainer: asyncio.Task[None] | None = None  # decodes what waits; None while idle

@@ -8,7 +8,9 @@ one-line message instead of silently leaving a day of actions unscored.
 
 Every prompt is counted offline (`mappa.coach.tokens`) and fitted to a context budget less the reply's
 `coach.max_tokens`: `coach.max_context_tokens`, else `DEFAULT_CONTEXT_TOKENS`, so that evidence flooded by
-an agent (thousands of file names, a huge output) is cut to fit instead of sent whole.
+an agent (thousands of file names, a huge output) is cut to fit instead of sent whole. An endpoint that still
+answers that a prompt exceeds its context (HTTP 400) has a smaller context than the budget: that stops the
+run, since only the actions with the most evidence would go unscored.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import email.utils
 import ipaddress
 import os
 import random
+import re
 import time
 from typing import Any
 from urllib.parse import urlparse
@@ -36,6 +39,10 @@ MAX_RETRY_AFTER_S = 300.0
 # The context assumed for an endpoint when coach.max_context_tokens is unset: what any current chat model
 # takes. Counted in UTF-8 bytes when no tokenizer is on disk, it admits about 32 KB of prompt.
 DEFAULT_CONTEXT_TOKENS = 32_768
+# How servers word a prompt longer than the model's context (OpenAI, vLLM, SGLang, Anthropic, Gemini, mappa serve).
+_CONTEXT_OVERFLOW_RE = re.compile(
+    r"context[ _]?(?:length|window|is \d)|maximum context|too long|too many tokens|exceeds the maximum", re.IGNORECASE
+)
 
 
 def is_loopback(url: str) -> bool:
@@ -85,8 +92,8 @@ class OpenAICoach(ChatCoach):
         from mappa.coach.tokens import token_counter
 
         self.context_tokens = cfg.max_context_tokens or DEFAULT_CONTEXT_TOKENS
-        count, self.counted_by = token_counter(cfg.tokenizer, cfg.model)
-        self.fit = Fit(self.prompt_budget(self.context_tokens), count)
+        count, self.counted_by, specials = token_counter(cfg.tokenizer, cfg.model)
+        self.fit = Fit(self.prompt_budget(self.context_tokens, count), count, specials)
         self.base_url = cfg.base_url or OPENAI_URL
         key = os.environ.get(cfg.api_key_env, "")
         if not key:
@@ -141,6 +148,14 @@ class OpenAICoach(ChatCoach):
                     # The server does not do logprobs: carry on without the expected score.
                     self._logprobs = False
                     continue
+                if code == 400 and _CONTEXT_OVERFLOW_RE.search(str(e.message)):
+                    # Only the prompts with the most evidence overflow: left unscored they would be skipped, so a
+                    # budget over the endpoint's context stops the run like a wrong URL.
+                    raise MappaError(
+                        f"coach.max_context_tokens: {self.base_url} rejected a prompt as longer than {self.model!r}'s "
+                        f"context (HTTP 400: {_short(e.message)}); set it to the endpoint's context (it is "
+                        f"{self.context_tokens}), or name the model's tokenizer (coach.tokenizer)"
+                    ) from None
                 if code in (401, 403, 404):
                     raise MappaError(
                         f"coach: {self.base_url} answered HTTP {code} for model {self.model!r} "

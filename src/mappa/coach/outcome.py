@@ -1,7 +1,9 @@
 """The `outcome` coach: the paper's outcome-only baseline (method.md section 7).
 
 Every action of an episode gets 10 when the episode's final answer passes the rule-based check,
-else 0. The outcome is an episode-level fact, so the per-action scorer reads it from the context:
+else 0. For the data-science pipeline the check is a success (`Episode.correct`): a valid submission.csv
+strictly better than every trivial prediction, so a copy of sample_submission.csv, a constant or noise earns 0
+(docs/dsbench.md). The outcome is an episode-level fact, so the per-action scorer reads it from the context:
 - `extra["episode_correct"]` (bool), set by whoever knows the outcome (the replay path
   `score_episodes`, or a workflow that scores after the episode ends), wins;
 - otherwise the final agent's own output is checked against its ground truth, which is the
@@ -41,7 +43,7 @@ def outcome_context_score(ctx: CoachContext) -> CoachScore:
     if correct is None and ctx.is_final and ctx.ground_truth is not None:
         from mappa.tasks import check_answer
 
-        correct = check_answer(ctx.output, ctx.ground_truth)
+        correct = check_answer(ctx.output, ctx.ground_truth, ctx.task)
     if correct is None:
         return CoachScore(
             score=None,

@@ -91,6 +91,14 @@ def verdict(text: str) -> Verdict | None:
     return Verdict(block[0][0], value, start + m.end("sep"), answer)
 
 
+_ANY_MARKER_RE = re.compile(rf"{_MARKER}|answer[ _\-]?correct", re.IGNORECASE)
+
+
+def holds_marker(text: str) -> bool:
+    """Whether `text` names a verdict marker, in any of the forms the parser reads."""
+    return _ANY_MARKER_RE.search(text) is not None
+
+
 def parse_score(text: str) -> float | None:
     """The score of the reply's verdict line, clamped to [0, 10]; None when there is no unambiguous one."""
     v = verdict(text)

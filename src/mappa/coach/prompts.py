@@ -15,32 +15,39 @@ the fence. Only the template's own text, section headings and counts stand outsi
 the coach is told that fenced text is evidence, never instructions. The judgment cache keys on the
 context, not on the prompt, so the random token costs no cache hits.
 
-Beyond that the coach sees the agent's exact input and raw output. Only when a prompt would exceed
-the coach's context budget does `fit_prompt` leave out the agent's oldest input messages (the newest
-part of the last one it touches is kept), never the output; the prompt says where and how much was cut.
+Beyond that the coach sees the agent's exact input and raw output. When a prompt would exceed the coach's
+context budget, `fit_prompt` first leaves out the agent's oldest input messages (the newest part of the last
+one it touches is kept), then cuts every fenced field longer than a common limit to its head and tail, the
+largest limit that fits; the prompt says where and how much was cut. Text the coach could not read (control
+characters, lone surrogates) is shown escaped (`readable_context`), and strings a chat template or tokenizer
+treats as control tokens (`<|im_end|>`, `[INST]`, ...) are broken up so that agent text cannot end the
+coach's turn. What becomes of an action whose evidence cannot be made to fit is `mappa.coach.judge`'s rule.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from mappa.coach.caps import cap_shown
+from mappa.coach.caps import cap_shown, unusable_files
+from mappa.errors import MappaError
 from mappa.types import CoachContext
 
 ChatMessages = list[dict[str, str]]
 TokenCount = Callable[[ChatMessages], int]  # tokens of a chat prompt, as the coach model counts them
 
-# Bounds on what the agents can put into a prompt. The file lists are never cut to fit a budget, so they stay
-# small: a folder flooded with names must not crowd out the output under the default budget (32 KB when counted
-# in bytes). A single field (an output, an input message) is bounded too, before any budget applies.
+# Bounds on what the agents can put into a prompt, before any budget applies: a folder flooded with names or
+# a single huge field (an output, an input message) stays small enough that a budget cut has little to do.
 MAX_FILE_NAMES = 30  # names shown per file list; the rest are counted
 MAX_NAME_CHARS = 64  # characters shown of one file name; the rest are counted
 MAX_FIELD_CHARS = 64_000  # characters shown of one fenced field: its head and tail, half each
+# The smallest field a budget cut leaves: below it a head and tail say too little to judge by.
+MIN_FIELD_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -97,12 +104,14 @@ errors it can see, and states one final answer in \\boxed{...};
 
 DS_PIPELINE = Template(
     name="ds_pipeline",
-    version="ds_pipeline-v4",
+    version="ds_pipeline-v5",
     system=_SYSTEM,
     rubric="""The team builds a submission for a Kaggle-style tabular machine-learning task through files in one \
 shared folder that starts with train.csv, test.csv, sample_submission.csv and description.txt. The Data Engineer \
 must save X_train.pkl, y_train.pkl and X_test.pkl; the Modeler must save model.pkl; the Analyst must write \
-submission.csv in the format of sample_submission.csv. The team succeeds only if submission.csv is valid. Each \
+submission.csv in the format of sample_submission.csv. The team succeeds only if submission.csv is valid and \
+strictly better than every trivial prediction (a constant, the majority class, the training mean, a copy of \
+sample_submission.csv). A required file counts only when it holds what it claims (its receipt). Each \
 agent sees the files present and the earlier agents' final messages; its code runs in the folder.
 Rate the action on:
 - its role's required files (see the files before and after the action) and whether its code ran;
@@ -138,27 +147,63 @@ def template_for(name: str, workflow: str) -> Template:
 
 @dataclass(frozen=True)
 class Cut:
-    """What the prompt leaves out of the agent's input: the `dropped` oldest messages, then the first `chars`
-    characters of the next one. The default cuts nothing."""
+    """What the prompt leaves out of the evidence: the `dropped` oldest input messages, then the first `chars`
+    characters of the next one; every fenced field over `field_chars` keeps only its head and tail (`fields`
+    says how many were, once the prompt is built). The default cuts only what `MAX_FIELD_CHARS` bounds."""
 
     dropped: int = 0
     chars: int = 0
+    field_chars: int = MAX_FIELD_CHARS
+    fields: int = 0
 
     @property
     def messages(self) -> int:
         """Input messages left out wholly or in part."""
         return self.dropped + (self.chars > 0)
 
+    def describe(self) -> str:
+        """What the coach was not shown, in words for the judgment's rationale; "" when it saw everything."""
+        parts = []
+        if self.messages:
+            parts.append(f"{self.messages} of the agent's input messages left out wholly or in part")
+        if self.fields:
+            fields = f"{self.fields} field" + ("s" if self.fields > 1 else "")
+            parts.append(f"{fields} cut to {self.field_chars:,} characters each, their head and tail")
+        return "; ".join(parts)
+
 
 NO_CUT = Cut()
 
 
 # -------------------------------------------------------------------------------------------- evidence fences
+# Chat-control strings of the common templates (ChatML, Llama 2 and 3, Mistral, Gemma, DeepSeek): a server or
+# tokenizer that parses special tokens in message text (HF tokenizers and vLLM do) would read one in agent text
+# as the end of the coach's turn. The coach's own tokenizer adds its special strings when it is known.
+_CONTROL_RE = re.compile(
+    r"<\|[^<>|\n]{1,40}\|>|<\uff5c[^<>\uff5c\n]{1,40}\uff5c>|</?s>|\[/?INST\]|<</?SYS>>|<(?:start|end)_of_turn>"
+    r"|<(?:bos|eos|pad|unk)>"
+)
+_BREAK = "\u2060"  # word joiner: invisible, and no tokenizer joins it into a special token
+
+
+@functools.lru_cache(maxsize=8)
+def _control_re(specials: tuple[str, ...]) -> re.Pattern[str]:
+    extra = "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True) if len(s) > 1)
+    return re.compile(f"{extra}|{_CONTROL_RE.pattern}" if extra else _CONTROL_RE.pattern)
+
+
+def _defuse(text: str, specials: tuple[str, ...]) -> str:
+    """`text` with every control string broken after its first character, so that it reads as text."""
+    return _control_re(specials).sub(lambda m: m.group()[0] + _BREAK + m.group()[1:], text)
+
+
 @dataclass(frozen=True)
 class Fence:
-    """One prompt's evidence delimiters, `<<<EVIDENCE-<token>` and `EVIDENCE-<token>>>`, each on a line of its own."""
+    """One prompt's evidence delimiters, `<<<EVIDENCE-<token>` and `EVIDENCE-<token>>>`, each on a line of its own;
+    `specials`: the coach tokenizer's special strings, defused in every fenced text like the common ones."""
 
     token: str
+    specials: tuple[str, ...] = ()
 
     @property
     def open(self) -> str:
@@ -168,20 +213,25 @@ class Fence:
     def close(self) -> str:
         return f"EVIDENCE-{self.token}>>>"
 
-    def wrap(self, text: str) -> str:
-        """`text` fenced; over `MAX_FIELD_CHARS` its head and tail in two fences, the cut marked between them (where
-        the coach knows the marker is ours, not the agent's)."""
-        if len(text) <= MAX_FIELD_CHARS:
+    def wrap(self, text: str, limit: int = MAX_FIELD_CHARS) -> str:
+        """`text` fenced; over `limit` characters its head and tail in two fences, the cut marked between them
+        (where the coach knows the marker is ours, not the agent's)."""
+        text = _defuse(text, self.specials)
+        if len(text) <= limit:
             return f"{self.open}\n{text}\n{self.close}"
-        half = MAX_FIELD_CHARS // 2
-        cut = len(text) - 2 * half
+        head, tail = text[: (limit + 1) // 2], text[len(text) - limit // 2 :]
+        cut = len(text) - limit
         return (
-            f"{self.open}\n{text[:half]}\n{self.close}\n[... {cut} characters cut from the middle of this text ...]\n"
-            f"{self.open}\n{text[-half:]}\n{self.close}"
+            f"{self.open}\n{head}\n{self.close}\n[... {cut} characters cut from the middle of this text ...]\n"
+            f"{self.open}\n{tail}\n{self.close}"
         )
 
+    def fields_cut(self, prompt: str) -> int:
+        """How many fields of `prompt` (built with this fence) were cut: the agents cannot write the token."""
+        return prompt.count(f"{self.close}\n[... ")
 
-def draw_fence(ctx: CoachContext) -> Fence:
+
+def draw_fence(ctx: CoachContext, specials: tuple[str, ...] = ()) -> Fence:
     """A fence with a fresh random token that appears nowhere in the context, in any letter case.
 
     The token is unpredictable (64 random bits per prompt), so no agent can write the closing line in advance;
@@ -189,9 +239,41 @@ def draw_fence(ctx: CoachContext) -> Fence:
     """
     evidence = ctx.model_dump_json().lower()
     while True:
-        fence = Fence(secrets.token_hex(8))
+        fence = Fence(secrets.token_hex(8), specials)
         if fence.token not in evidence:
             return fence
+
+
+# C0 and C1 control characters but tab, line feed and carriage return; lone surrogates (a file name `os.scandir`
+# could not decode holds one per undecodable byte, U+DC80-U+DCFF). A control character becomes U+FFFD, not an
+# escape: an escape's digits would be digits the agent never wrote (a rule that looks for a number in the reply
+# would find one in "\x04"). An undecodable byte of a file name keeps its value, as Python writes it.
+_UNREADABLE_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def _escaped(m: re.Match[str]) -> str:
+    code = ord(m.group())
+    if 0xDC80 <= code <= 0xDCFF:
+        return f"\\x{code - 0xDC00:02x}"  # the undecodable byte itself
+    return f"\\u{code:04x}" if code >= 0xD800 else "\ufffd"
+
+
+def _readable(value: Any) -> Any:
+    if isinstance(value, str):
+        return _UNREADABLE_RE.sub(_escaped, value)
+    if isinstance(value, dict):
+        return {_readable(k): _readable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_readable(v) for v in value)
+    return value
+
+
+def readable_context(ctx: CoachContext) -> CoachContext:
+    """`ctx` with every control character shown as U+FFFD and every lone surrogate as a visible escape (`\\xff` for an
+    undecodable byte of a file name): text no coach could read, hash or send becomes evidence."""
+    data = ctx.model_dump()
+    clean = _readable(data)
+    return ctx if clean == data else CoachContext.model_validate(clean)
 
 
 _WORD_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
@@ -199,7 +281,7 @@ _WORD_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 def _label(name: str) -> str:
     """An agent name or evidence key as a plain word when it is one, else as a JSON string (one line, escaped)."""
-    return name if _WORD_RE.fullmatch(name) else json.dumps(name[:MAX_NAME_CHARS])
+    return name if _WORD_RE.fullmatch(name) else _defuse(json.dumps(name[:MAX_NAME_CHARS]), ())
 
 
 def _file_name(name: str) -> str:
@@ -227,7 +309,7 @@ def _input_section(ctx: CoachContext, cut: Cut, fence: Fence) -> list[str]:
     else:
         parts = [
             f"## The agent's input (cut to fit your context: {cut.messages} of its {len(ctx.messages)} messages, "
-            "oldest first; the output below is complete)"
+            "oldest first; any other cut is marked where it is)"
         ]
     if cut.dropped:
         parts.append(f"[messages 0-{cut.dropped - 1} left out]")
@@ -237,14 +319,17 @@ def _input_section(ctx: CoachContext, cut: Cut, fence: Fence) -> list[str]:
         if i == cut.dropped and cut.chars:
             label += f"\n[... first {cut.chars} characters of this message left out ...]"
             text = text[cut.chars :]
-        parts.append(f"{label}\n{fence.wrap(text)}")
+        parts.append(f"{label}\n{fence.wrap(text, cut.field_chars)}")
     return parts
 
 
 def render_context(ctx: CoachContext, cut: Cut = NO_CUT, fence: Fence | None = None) -> str:
     """The evidence block of the user prompt, every context value fenced. Ground truth only for the final agent."""
     fence = fence or draw_fence(ctx)
-    wrap = fence.wrap
+
+    def wrap(text: str) -> str:
+        return fence.wrap(text, cut.field_chars)
+
     parts = [
         f"## Task\n{wrap(ctx.task)}",
         f"## Agent\n{_label(ctx.agent)}" + (" (the final agent of the team)" if ctx.is_final else ""),
@@ -258,7 +343,7 @@ def render_context(ctx: CoachContext, cut: Cut = NO_CUT, fence: Fence | None = N
         parts.append(f"## Files the agent could see\n{wrap(file_list(ctx.files_visible))}")
         saved = [(agent, file_list(files)) for agent, files in list(ctx.files_by_agent.items())[:MAX_FILE_NAMES]]
         parts.append("## Files saved by each earlier agent\n" + (wrap(_items(saved)) if saved else "(none)"))
-    parts.extend(_file_passing_sections(ctx, fence))
+    parts.extend(_file_passing_sections(ctx, wrap))
     # Workflow evidence such as test-set metrics; never the ground truth for non-final agents.
     shown = [(k, v) for k, v in sorted(ctx.extra.items()) if k not in _HIDDEN_EXTRA and k not in _FILE_PASSING_EXTRA]
     if shown:
@@ -273,14 +358,14 @@ _HIDDEN_EXTRA = frozenset({"episode_correct", "episode_id", "action_index"})
 # Keys of CoachContext.extra that file-passing workflows (ds_pipeline) fill and `_file_passing_sections` shows.
 _FILE_PASSING_EXTRA = frozenset(
     {"files_after", "files_saved", "required_files", "missing_upstream", "test_evaluation", "target_statistics",
-     "score_cap", "score_cap_rule"}
+     "score_cap", "score_cap_rule", "receipts"}
 )  # fmt: skip
 
 
-def _file_passing_sections(ctx: CoachContext, fence: Fence) -> list[str]:
+def _file_passing_sections(ctx: CoachContext, wrap: Callable[[str], str]) -> list[str]:
     """The file receipts of a file-passing workflow: files after the action, what it had to save and what is
     missing upstream; for the final agent the test-set evaluation of its submission and its score cap."""
-    ex, wrap = ctx.extra, fence.wrap
+    ex = ctx.extra
     parts = []
     if "files_after" in ex:
         after, saved = file_list(ex["files_after"]), file_list(ex.get("files_saved", ()))
@@ -288,7 +373,12 @@ def _file_passing_sections(ctx: CoachContext, fence: Fence) -> list[str]:
     if ex.get("required_files"):
         present = set(ex.get("files_after", ctx.files_visible))
         missing = [f for f in ex["required_files"] if f not in present]
+        # A file whose receipt (checked inside the sandbox) says it is empty or not what it claims is no job done.
+        unusable = unusable_files(ctx)
         status = f"missing after the action: {file_list(missing)}" if missing else "all present after the action"
+        if unusable:
+            why = "\n".join(f"- {_file_name(n)}: {r}" for n, r in list(unusable.items())[:MAX_FILE_NAMES])
+            status += f"\npresent but not usable (receipts):\n{why}"
         parts.append(f"## Files this agent must save\n{wrap(file_list(ex['required_files']) + chr(10) + status)}")
     if ex.get("missing_upstream"):
         owed = list(ex["missing_upstream"].items())[:MAX_FILE_NAMES]
@@ -325,7 +415,20 @@ def build_messages(
 
 
 class EvidenceTooLong(Exception):
-    """Even with all of the agent's input left out, the prompt exceeds the coach's budget."""
+    """Even with all of the agent's input left out and every field cut to `MIN_FIELD_CHARS`, the prompt exceeds
+    the coach's budget (while the template with no evidence at all fits it)."""
+
+
+def _least(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
+    """The least x in [lo, hi] with ok(x), for ok false then true as x grows (bisection); None when none is."""
+    found = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            found, hi = mid, mid - 1
+        else:
+            lo = mid + 1
+    return found
 
 
 def fit_prompt(
@@ -334,43 +437,51 @@ def fit_prompt(
     """The judgment's messages within `budget` prompt tokens (None: no limit), and what was cut to get there.
 
     Whole oldest input messages go first; then the newest part of the last one dropped is given back, as much
-    as fits (found by bisection on the cut point). Raises EvidenceTooLong when the task, role and output alone
-    exceed the budget: the output is never cut. Every trial uses one fence, so trials differ only by the cut.
+    as fits. When the prompt does not fit even without any input, every fenced field (the output and tool
+    observation included) over a common limit keeps only its head and tail, the largest limit that fits, at
+    least `MIN_FIELD_CHARS`; both found by bisection. Raises EvidenceTooLong when that does not fit either, and
+    MappaError when the template does not fit with every field emptied: then no action could be judged.
+    Every trial uses one fence, so trials differ only by the cut.
     """
     fence = fence or draw_fence(ctx)
 
     def build(cut: Cut) -> ChatMessages:
         return build_messages(ctx, template, cut, fence)
 
-    messages = build(NO_CUT)
-    if budget is None or count(messages) <= budget:
-        return messages, NO_CUT
-    for dropped in range(1, len(ctx.messages) + 1):
-        messages = build(Cut(dropped))
-        if count(messages) <= budget:
-            break
+    def fits(cut: Cut) -> bool:
+        return budget is None or count(build(cut)) <= budget
+
+    n = len(ctx.messages)
+    dropped = next((d for d in range(n + 1) if fits(Cut(d))), None)
+    if dropped is not None:
+        cut = Cut(dropped)
+        if dropped:  # give back the newest part of the last message dropped: the fewest head characters cut
+            chars = _least(1, len(ctx.messages[dropped - 1].content) - 1, lambda c: fits(Cut(dropped - 1, c)))
+            cut = cut if chars is None else Cut(dropped - 1, chars)
     else:
-        n = count(build(Cut(len(ctx.messages))))
-        raise EvidenceTooLong(
-            f"coach prompt needs {n} tokens without any of the agent's input; the budget is {budget}"
-        )
-    best, cut = messages, Cut(dropped)
-    text = ctx.messages[dropped - 1].content
-    lo, hi = 1, len(text) - 1  # characters cut from the head of the last dropped message
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        trial = build(Cut(dropped - 1, mid))
-        if count(trial) <= budget:
-            best, cut, hi = trial, Cut(dropped - 1, mid), mid - 1
-        else:
-            lo = mid + 1
-    return best, cut
+        # The largest field limit that fits is the least negated one.
+        limit = _least(-MAX_FIELD_CHARS, -MIN_FIELD_CHARS, lambda neg: fits(Cut(n, 0, -neg)))
+        if limit is None:
+            if not fits(Cut(n, 0, 0)):
+                raise MappaError(
+                    f"coach.max_context_tokens: the {template.name} prompt needs {count(build(Cut(n, 0, 0)))} tokens "
+                    f"with no evidence in it; {budget} are left for it once the replies have room (coach.max_tokens)"
+                )
+            needed = count(build(Cut(n, 0, MIN_FIELD_CHARS)))
+            raise EvidenceTooLong(
+                f"the prompt needs {needed} tokens with every field cut to {MIN_FIELD_CHARS} characters; "
+                f"the budget is {budget}"
+            )
+        cut = Cut(n, 0, -limit)
+    messages = build(cut)
+    return messages, replace(cut, fields=fence.fields_cut(messages[1]["content"]))
 
 
-def follow_up_message(ctx: CoachContext) -> dict[str, str]:
-    """The one follow-up sent when a reply has no unambiguous verdict: ask for exactly the required lines."""
+def follow_up_message(final: bool) -> dict[str, str]:
+    """The one follow-up sent when a reply has no unambiguous verdict: ask for exactly the required lines
+    (`final`: the judged agent is the final one, with a reference answer, so ANSWER_CORRECT too)."""
     lines = "PROCESS_SCORE: <number from 0 to 10>"
-    if ctx.is_final and ctx.ground_truth is not None:
+    if final:
         lines += "\nANSWER_CORRECT: <0 or 1>"
     return {
         "role": "user",

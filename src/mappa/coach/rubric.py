@@ -12,16 +12,20 @@ Non-final agents are never judged against the ground truth, even if a context ca
 Every score comes with a one-line rationale naming the rules that fired.
 
 The data-science pipeline (`workflow == "ds_pipeline"`) has its own rules (`ds_score`), over the file
-receipts the workflow records; a missing required file is its producer's fault, never a later agent's:
+receipts the workflow records; a missing required file is its producer's fault, never a later agent's, and a
+required file present but not what it claims (its receipt from the sandbox: empty, garbage, the wrong rows, an
+unfitted model) counts as missing:
 - no code: 7 for a closing message once the agent's required files exist, else 1;
 - code ran: 8 with all its required files saved and a printed summary (7 silent); a required file
   missing: 2, or 4 when an earlier agent's required file was missing too (it could not have made it);
 - code failed: 4 when the failure is an earlier agent's missing file (FileNotFoundError with one
-  missing), 5 when its own files were saved before the error, else 2;
-- the Analyst, whose context carries the test-set evaluation: a valid submission scores
-  6 + 4 x (share of the reference model's gain reached, at most 1); an invalid one at most 2, unless an
-  earlier agent's missing file caused it (then the rules above, 4). The score cap the workflow derived
-  from the test metric is applied to these scores as to every coach's, by `CoachRunner`
+  missing, or its name in the traceback) or one that was there but not usable, 5 when its own files were
+  saved before the error, else 2;
+- the Analyst, whose context carries the test-set evaluation: a success (valid and better than every trivial
+  prediction) scores 6 + 4 x (share of the reference model's gain reached, at most 1); a valid submission
+  that is no success 3; an invalid one at most 2, unless an earlier agent's missing file caused it (then the
+  rules above, 4). The score caps (from the test metric, for no success, for an invalid submission, for a
+  file that is not what it claims) are applied to these scores as to every coach's, by `CoachRunner`
   (`mappa.coach.caps`), not by these rules.
 """
 
@@ -31,10 +35,11 @@ import re
 import time
 from collections.abc import Callable
 
+from mappa.coach.caps import unusable_files
 from mappa.protocols import CallCounters
 from mappa.types import CoachContext, CoachScore
 
-RULES_VERSION = "rubric-v4"
+RULES_VERSION = "rubric-v5"
 
 _BOXED_RE = re.compile(r"\\boxed\s*\{")
 _NUMBER_RE = re.compile(r"\d")
@@ -64,7 +69,7 @@ def _final(ctx: CoachContext) -> tuple[float, str, bool | None]:
 
     if extract_answer(ctx.output) is None:
         return 0.0, "final agent gave no final answer (\\boxed{} or 'the answer is N')", False
-    if check_answer(ctx.output, ctx.ground_truth or ""):
+    if check_answer(ctx.output, ctx.ground_truth or "", ctx.task):
         return 10.0, "final answer matches the reference", True
     return 2.0, "final answer given but it does not match the reference", False
 
@@ -107,10 +112,16 @@ def _other_agent(ctx: CoachContext) -> tuple[float, list[str]]:
 
 def _ds_code(ctx: CoachContext) -> tuple[float, list[str], bool]:
     """The file rules of the data-science pipeline; also whether an upstream file's absence caused the failure."""
-    ex, result = ctx.extra, ctx.exec_result
+    ex = ctx.extra
     after = set(ex.get("files_after", ctx.files_visible))
-    missing = [f for f in ex.get("required_files", ()) if f not in after]
-    upstream: dict[str, str] = ex.get("missing_upstream", {})
+    unusable = unusable_files(ctx)  # present, but its receipt says it is not what it claims: not saved
+    missing = [f for f in ex.get("required_files", ()) if f not in after or f in unusable]
+    score, why, caused = _ds_files(ctx, missing, ex.get("missing_upstream", {}))
+    return score, [*why, *(f"{name} is not usable ({reason})" for name, reason in unusable.items())], caused
+
+
+def _ds_files(ctx: CoachContext, missing: list[str], upstream: dict[str, str]) -> tuple[float, list[str], bool]:
+    result = ctx.exec_result
     owed = ", ".join(f"{name} ({agent})" for name, agent in upstream.items())
     if not _has_code(ctx.output):
         if not missing:
@@ -128,8 +139,10 @@ def _ds_code(ctx: CoachContext) -> tuple[float, list[str], bool]:
             return 4.0, [not_saved, f"earlier agents' files were missing: {owed}"], True
         return 2.0, [not_saved + " (its own files)"], False
     named = any(name in result.stderr for name in upstream)
-    if named or (upstream and "FileNotFoundError" in result.stderr):
-        return 4.0, [f"code failed on a missing upstream file: {owed} (the producer's fault)"], True
+    # An earlier agent's file that was there but not usable (its receipt): loading it fails however it is written.
+    spoiled = any(name in ctx.files_visible for name in upstream)
+    if named or spoiled or (upstream and "FileNotFoundError" in result.stderr):
+        return 4.0, [f"code failed on a missing or unusable upstream file: {owed} (the producer's fault)"], True
     if not missing:
         return 5.0, ["code raised an error after its required files were saved"], False
     failed = "code timed out" if result.timed_out else "code raised an error"
@@ -142,7 +155,9 @@ def ds_score(ctx: CoachContext) -> tuple[float, list[str]]:
     test = ctx.extra.get("test_evaluation") if ctx.is_final else None
     if test is None:
         return score, why
-    if test["valid"]:
+    if test["valid"] and test.get("success") is False:
+        return 3.0, [f"valid submission but no success: {test.get('trivial') or 'no better than a trivial one'}"]
+    if test["valid"]:  # a success (evidence recorded before the success rule: every valid submission)
         share = min(max(float(test["reference_fraction"]), 0.0), 1.0)
         score = 6.0 + 4.0 * share
         why = [f"valid submission: {test['metric']} {test['score']:.4g}, {share:.0%} of the reference model's gain"]

@@ -45,14 +45,20 @@ def _counter(tokenizer: object) -> Callable[[ChatMessages], int]:
     return count
 
 
-def token_counter(tokenizer: str, model: str) -> tuple[Callable[[ChatMessages], int], str]:
-    """(count, what counts): `tokenizer` when given (it must load), else `model`'s own, else UTF-8 bytes."""
+def special_strings(tokenizer: object) -> tuple[str, ...]:
+    """The strings `tokenizer` reads as its special tokens wherever they stand in a text (a chat turn's end...)."""
+    return tuple(tokenizer.all_special_tokens)
+
+
+def token_counter(tokenizer: str, model: str) -> tuple[Callable[[ChatMessages], int], str, tuple[str, ...]]:
+    """(count, what counts, its special strings): `tokenizer` when given (it must load), else `model`'s own, else
+    UTF-8 bytes (and no special strings known)."""
     if tokenizer:
         loaded = _load(tokenizer)
         if loaded is None:
             raise MappaError(f"coach.tokenizer: no tokenizer at {tokenizer!r} (a local HF dir or a cached hub id)")
-        return _counter(loaded), f"tokenizer {tokenizer}"
+        return _counter(loaded), f"tokenizer {tokenizer}", special_strings(loaded)
     loaded = _load(model) if model else None
     if loaded is not None:
-        return _counter(loaded), f"tokenizer {model}"
-    return byte_count, "UTF-8 bytes"
+        return _counter(loaded), f"tokenizer {model}", special_strings(loaded)
+    return byte_count, "UTF-8 bytes", ()

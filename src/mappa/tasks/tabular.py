@@ -4,6 +4,7 @@
     tasks = load_dsbench(root, "eval")                    # Task(problem=description.txt, meta=paths + metric)
     result = score_submission(tasks[0], ws / "submission.csv")
     result.valid, result.reason, result.score, result.gap, result.reference_fraction
+    result.success, result.trivial        # valid and better than every trivial prediction; or why not
 
     score_metric("smape", [100, 0], [110, 0])            # 4.76...: percent, 0/0 counts as 0
     higher_is_better("rmsle")                              # False
@@ -24,6 +25,7 @@ from typing import Literal
 from mappa.errors import MappaError
 from mappa.paths import cache_dir
 from mappa.tasks.dsbench.build import DEFAULT_SEED, build_dsbench
+from mappa.tasks.dsbench.fingerprints import withheld
 from mappa.tasks.dsbench.metrics import METRICS, higher_is_better, relative_gap, score_metric
 from mappa.tasks.dsbench.reference import TASK_FILES
 from mappa.tasks.dsbench.submission import SubmissionScore, score_submission
@@ -80,8 +82,9 @@ def load_dsbench(root: Path, split: Literal["train", "eval"]) -> list[Task]:
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     root = Path(root).resolve()
     tasks = []
+    left_out = withheld(root)  # tasks whose table agent code can read a copy of (mappa.api.check_hidden_answers)
     for row in _read_index(root):
-        if row.get("split") != split:
+        if row.get("split") != split or row["id"] in left_out:
             continue
         task_dir = root / "tasks" / row["id"]
         missing = [name for name in TASK_FILES if not (task_dir / name).is_file()]

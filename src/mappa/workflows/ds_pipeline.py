@@ -6,7 +6,7 @@
 | modeler       | workflow.ds_max_turns | model.pkl                            | + the Data Engineer's final message  |
 | analyst       | workflow.ds_max_turns | submission.csv                       | + the Modeler's final message        |
 
-Every agent after the first is warned about an earlier agent's required file that is missing.
+Every agent after the first is warned about an earlier agent's required file that is missing or not usable.
 
 The agents pass work through files: one workspace per episode, shared by every tool call of every agent,
 starts with the task's `train.csv`, `test.csv`, `sample_submission.csv` and `description.txt` (copied from
@@ -16,19 +16,27 @@ gives the earlier agents' final messages with their reasoning blocks removed (th
 file list, in a prompt or in the coach's evidence, shows at most `mappa.tasks.files.MAX_LISTED` names (the
 required files present always among them), then how many more. Every ```python block of an action is joined
 into one snippet that runs in the workspace; the output comes back as `<tool_response>...</tool_response>`
-together with the files now present. An agent stops at an action without code, at its turn cap, or once its
-code ran cleanly and all its required files exist (its job is done; the paper's agents stop only at the first
-two, which costs turns the demo cannot afford). While a batch plays, all of an episode's state is one record
-(`ds_state.DsEpisode`).
+together with the files now present and those of its own that are not usable yet. An agent stops at an action
+without code, at its turn cap, or once its code ran cleanly and all its required files exist and count (its job
+is done; the paper's agents stop only at the first two, which costs turns the demo cannot afford). While a batch
+plays, all of an episode's state is one record (`ds_state.DsEpisode`).
 
-`Episode.correct` is a valid `submission.csv` (`mappa.tasks.tabular.score_submission`, which reads it as an
-agent file: a link, a FIFO or an oversized file is an invalid submission with its reason); `Episode.meta`
-holds the scores (`submission`: valid, reason, metric, score, gap, reference_fraction, and `paper`, the
-paper's fair figures: `mappa.tasks.dsbench.metrics.paper_figures`, fallbacks for a failed run) and the required
-files missing at the end (`missing_files`). The coach's evidence (`Action.evidence`, recorded live so a
-replay rebuilds it) is the file list before and after the action and the files each earlier agent saved;
-for the Analyst also the test-set evaluation of `submission.csv` as the action left it and the target's
-statistics from `train.csv`, from which the coach derives the Analyst's score cap (`mappa.coach.caps`).
+Receipts: after every code run the required pickles present are checked inside the sandbox, in the workspace
+(`mappa.tasks.dsbench.receipts`: X_train a table of 1..n_train rows, y_train its target column, X_test exactly
+test.csv's rows, model a fitted estimator; a restricted unpickler, never a load on the host). A file counts as
+saved only with a receipt that is ok: for the stop rule, the warnings, the blame of earlier agents (judged on
+the files as the agent found them when it began) and the coach's evidence (`receipts`).
+
+`Episode.correct` is a **success**: a valid `submission.csv` that is strictly better than every trivial
+prediction (`mappa.tasks.tabular.score_submission`, which reads it as an agent file: a link, a FIFO or an
+oversized file is an invalid submission with its reason; a copy of sample_submission.csv, a constant or noise
+is valid but no success). `Episode.meta` holds the scores (`submission`: valid, success, reason, trivial,
+metric, score, trivial_score, gap, reference_fraction, and `paper`, the paper's fair figures:
+`mappa.tasks.dsbench.metrics.paper_figures`, fallbacks for an invalid submission) and the required files missing
+or not usable at the end (`missing_files`). The coach's evidence (`Action.evidence`, recorded live so a replay
+rebuilds it) is the file list before and after the action, the files each earlier agent saved and the
+receipts; for the Analyst also the test-set evaluation of `submission.csv` as the action left it and the
+target's statistics from `train.csv`, from which the coach derives the Analyst's score cap (`mappa.coach.caps`).
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -62,15 +70,29 @@ from mappa.workflows.base import (
     score_stage,
 )
 from mappa.workflows.ds_prompts import _TOOLS as _TOOLS  # the agents' tool text (a test checks their packages)
-from mappa.workflows.ds_prompts import ANALYST, DATA_ENGINEER, MODELER, REQUIRED, SPECS, listed, missing_upstream
+from mappa.workflows.ds_prompts import (
+    ANALYST,
+    DATA_ENGINEER,
+    MODELER,
+    REQUIRED,
+    SPECS,
+    Receipts,
+    listed,
+    missing_upstream,
+    unusable,
+)
 from mappa.workflows.ds_state import AgentTurns, DsEpisode, Team
 
 __all__ = ["ANALYST", "DATA_ENGINEER", "MODELER", "REQUIRED", "SPECS", "DsPipeline", "Team"]
 
+# What `Episode.meta["submission"]` keeps of the final test-set evaluation (with `paper`, the paper's figures).
+SUBMISSION_KEYS = ("valid", "success", "reason", "trivial", "metric", "score", "trivial_score", "gap",
+                   "reference_fraction")  # fmt: skip
+
 
 def visible_files(workspace: Path) -> tuple[str, ...]:
     """The workspace's files as the agents see them (`mappa.tasks.files.visible_names`)."""
-    return visible_names(snapshot(workspace))
+    return visible_names(snapshot(workspace).files)
 
 
 def saved_files(result: ExecResult | None) -> tuple[str, ...]:
@@ -151,6 +173,7 @@ class DsPipeline:
         self.agents = tuple(s.name for s in self.specs)
         self._targets: dict[str, dict[str, Any]] = {}  # task id -> target statistics (train.csv read once)
         self._train_targets: dict[str, list[Any]] = {}  # task id -> train.csv's target column (read once)
+        self._rows: dict[str, tuple[int, int]] = {}  # task id -> rows of train.csv and test.csv (read once)
 
     def role(self, spec: AgentSpec) -> str:
         return spec.role.format(budget=self.gen.max_new_tokens, turns=spec.max_turns)
@@ -162,9 +185,17 @@ class DsPipeline:
         raise MappaError(f"agent {agent!r} is not part of workflow {self.name!r} ({', '.join(self.agents)})")
 
     # ---------------------------------------------------------------------------------------------- prompts
-    def first_prompt(self, spec: AgentSpec, task: Task, files: Sequence[str], team: Team, budget: int | None) -> str:
+    def first_prompt(
+        self,
+        spec: AgentSpec,
+        task: Task,
+        files: Sequence[str],
+        team: Team,
+        budget: int | None,
+        receipts: Receipts | None = None,
+    ) -> str:
         """The agent's first user turn (`ds_prompts.first_prompt`)."""
-        return ds_prompts.first_prompt(spec, task, files, team, budget)
+        return ds_prompts.first_prompt(spec, task, files, team, budget, receipts)
 
     def messages(
         self,
@@ -174,30 +205,47 @@ class DsPipeline:
         team: Team,
         history: Sequence[tuple[Action, str]],
         budget: int | None,
+        receipts: Receipts | None = None,
     ) -> list[Message]:
         """The agent's chat: its first prompt, then its own earlier replies and their tool responses."""
         messages = [
             Message(role="system", content=self.role(spec)),
-            Message(role="user", content=self.first_prompt(spec, task, files, team, budget)),
+            Message(role="user", content=self.first_prompt(spec, task, files, team, budget, receipts)),
         ]
         for action, observation in history:
             messages.append(Message(role="assistant", content=clip_middle(action.text, budget)))
             messages.append(Message(role="user", content=clip_middle(observation, budget)))
         return messages
 
-    def tool_response(self, spec: AgentSpec, result: ExecResult, files: Sequence[str]) -> str:
+    def tool_response(
+        self, spec: AgentSpec, result: ExecResult, files: Sequence[str], problems: Mapping[str, str] | None = None
+    ) -> str:
         """What a code run returns to its agent (`ds_prompts.tool_response`)."""
-        return ds_prompts.tool_response(spec, result, files, self.observation_chars)
+        return ds_prompts.tool_response(spec, result, files, self.observation_chars, problems)
 
     # ------------------------------------------------------------------------------------------------- coach
-    def evidence(self, spec: AgentSpec, state: EpisodeState, before: Sequence[str], team: Team) -> dict[str, Any]:
-        """What the coach sees of an action beyond its messages, taken right after its code ran."""
+    def evidence(
+        self,
+        spec: AgentSpec,
+        state: EpisodeState,
+        before: Sequence[str],
+        team: Team,
+        *,
+        owed: Mapping[str, str] | None = None,
+        receipts: Receipts | None = None,
+    ) -> dict[str, Any]:
+        """What the coach sees of an action beyond its messages, taken right after its code ran: `owed`, the
+        earlier agents' files missing or unusable when the agent began (default: those missing from `before`),
+        and `receipts`, those of the required pickles now present."""
+        after = visible_files(state.workspace)
         ev: dict[str, Any] = {
             "files_before": listed(before),
-            "files_after": listed(visible_files(state.workspace)),
+            "files_after": listed(after),
             "files_by_agent": {agent: listed(files) for agent, files in team.saved.items()},
-            "missing_upstream": missing_upstream(spec.name, before),
+            "missing_upstream": dict(missing_upstream(spec.name, before) if owed is None else owed),
         }
+        if receipts is not None:
+            ev["receipts"] = {name: dict(r) for name, r in receipts.items() if name in after}
         if spec.name == ANALYST.name:
             ev.update(
                 test_evaluation=self.test_evaluation(state), target_statistics=self.target_statistics(state.task)
@@ -246,6 +294,40 @@ class DsPipeline:
             self._targets[task.id] = target_statistics(task)
         return self._targets[task.id]
 
+    def task_rows(self, task: Task) -> tuple[int, int]:
+        """Rows of the task's train.csv and test.csv (its own files), which the receipts expect."""
+        if task.id not in self._rows:
+            import pandas as pd
+
+            task_dir, column = Path(task.meta["task_dir"]), task.meta["id_column"]
+            n_train, n_test = (len(pd.read_csv(task_dir / f, usecols=[column])) for f in ("train.csv", "test.csv"))
+            self._rows[task.id] = (n_train, n_test)
+        return self._rows[task.id]
+
+    def check_receipts(self, batch: Batch, episodes: Sequence[DsEpisode]) -> None:
+        """Take the receipts of the required pickles present in each episode's workspace (`ep.receipts`), one
+        check per workspace through the sandbox, all at once. A check that fails vouches for nothing."""
+        from mappa.tasks.dsbench.receipts import RECEIPT_FILES, expectations, failed, parse_receipts, receipt_code
+
+        jobs = []
+        for ep in episodes:
+            present = [f for f in RECEIPT_FILES if f in visible_files(ep.state.workspace)]
+            ep.receipts = {}
+            if present:
+                want = expectations(*self.task_rows(ep.state.task))
+                jobs.append((ep, present, receipt_code({f: want[f] for f in present})))
+        if not jobs:
+            return
+        results = batch.rt.sandbox.run_many([(code, ep.state.workspace) for ep, _, code in jobs])
+        for (ep, present, _), result in zip(jobs, results, strict=True):
+            ep.state.sandbox_s += result.duration_s
+            stopped = {"timed out": result.timed_out, "memory limit": result.memory_exceeded}
+            why = next((k for k, hit in stopped.items() if hit), "sandbox failure" if result.infra_error else None)
+            if why is not None:
+                ep.receipts = failed(present, f"the check did not finish ({why})")
+            else:
+                ep.receipts = parse_receipts(result.stdout, present)
+
     def context(self, task: Task, action: Action) -> CoachContext:
         """The coach's evidence for one action: its exact input and output, its tool call, the recorded files
         (before, after, per earlier agent) and, for the Analyst, the test-set evaluation."""
@@ -260,7 +342,7 @@ class DsPipeline:
             "missing_upstream": dict(ev.get("missing_upstream", {})),
         }
         # Older recorded evidence may also hold a `score_cap`; it is not passed on: the coach derives the cap.
-        extra.update({k: ev[k] for k in ("test_evaluation", "target_statistics") if k in ev})
+        extra.update({k: ev[k] for k in ("test_evaluation", "target_statistics", "receipts") if k in ev})
         return CoachContext(
             task=task.problem,
             workflow=self.name,
@@ -309,12 +391,12 @@ class DsPipeline:
             batch.count.drop((len(live) - len(playing)) * sum(x.max_turns for x in self.specs[j:]))
             live = playing
             self._agent(batch, spec, live)
-        return [self._episode(ep.state) for ep in records]
+        return [self._episode(ep) for ep in records]
 
     def _agent(self, batch: Batch, spec: AgentSpec, episodes: list[DsEpisode]) -> None:
         """Up to `spec.max_turns` turns of one agent in every episode; records its final message and files."""
         for ep in episodes:
-            ep.turns = AgentTurns(start=visible_files(ep.state.workspace))
+            ep.turns = AgentTurns(start=visible_files(ep.state.workspace), start_receipts=dict(ep.receipts))
         waiting = episodes
         for k in range(spec.max_turns):
             stage = self._stage(batch, spec, waiting, k)
@@ -326,8 +408,9 @@ class DsPipeline:
                     continue
                 turns.saved.extend(saved_files(result))
                 files = visible_files(ep.state.workspace)
-                turns.history.append((action, self.tool_response(spec, result, files)))
-                done = result.ok and all(f in files for f in REQUIRED[spec.name])
+                problems = self.problems(spec, files, ep.receipts, action.evidence)
+                turns.history.append((action, self.tool_response(spec, result, files, problems)))
+                done = result.ok and all(f in files for f in REQUIRED[spec.name]) and not problems
                 if not done and k + 1 < spec.max_turns:
                     waiting.append(ep)
             batch.count.drop((asked - len(waiting)) * (spec.max_turns - k - 1))
@@ -336,20 +419,36 @@ class DsPipeline:
                 ep.team.finals[spec.name] = without_reasoning(ep.turns.final.text).strip()
                 ep.team.saved[spec.name] = tuple(listed(list(dict.fromkeys(ep.turns.saved))))
 
+    @staticmethod
+    def problems(
+        spec: AgentSpec, files: Sequence[str], receipts: Receipts, evidence: Mapping[str, Any]
+    ) -> dict[str, str]:
+        """The agent's required files present but not usable: pickles by their receipts, the submission by its
+        check (its format only: the agents never see a test score)."""
+        out = {f: why for f, why in unusable(files, receipts).items() if f in REQUIRED[spec.name]}
+        test = evidence.get("test_evaluation")
+        if test and not test["valid"] and "submission.csv" in files:
+            out["submission.csv"] = str(test["reason"])
+        return out
+
     def _stage(
         self, batch: Batch, spec: AgentSpec, episodes: list[DsEpisode], turn_index: int
     ) -> list[tuple[DsEpisode, Action]]:
-        """One turn of `spec` in every episode given: generated, run, given its evidence, scored and recorded."""
+        """One turn of `spec` in every episode given: generated, run, its files' receipts taken, given its
+        evidence, scored and recorded."""
         by_id = {ep.state.id: ep for ep in episodes}
         turns = []
         for ep in episodes:
             ep.turns.before = visible_files(ep.state.workspace)
-            build = partial(self.messages, spec, ep.state.task, ep.turns.start, ep.team, ep.turns.history)
-            turns.append(Turn(ep.state, build))
+            turns.append(Turn(ep.state, partial(self.messages, spec, ep.state.task, ep.turns.start, ep.team,
+                                                ep.turns.history, receipts=ep.turns.start_receipts)))  # fmt: skip
+        staged = run_stage(batch, spec, turns, turn_index=turn_index, extract_code=extract_code_blocks)
+        self.check_receipts(batch, [by_id[t.state.id] for t, a in staged if a.exec_result is not None])
         done: list[tuple[Turn, Action]] = []
-        for turn, action in run_stage(batch, spec, turns, turn_index=turn_index, extract_code=extract_code_blocks):
+        for turn, action in staged:
             ep = by_id[turn.state.id]
-            evidence = self.evidence(spec, ep.state, ep.turns.before, ep.team)
+            owed = missing_upstream(spec.name, ep.turns.start, ep.turns.start_receipts)
+            evidence = self.evidence(spec, ep.state, ep.turns.before, ep.team, owed=owed, receipts=ep.receipts)
             done.append((turn, action.model_copy(update={"evidence": evidence})))
         done = score_stage(done, [self.context(t.state.task, a) for t, a in done], batch.rt.scorer)
         for turn, action in done:
@@ -357,27 +456,34 @@ class DsPipeline:
         batch.count.advance(len(turns))
         return [(by_id[turn.state.id], action) for turn, action in done]
 
-    def _episode(self, s: EpisodeState) -> Episode:
-        """The finished episode, its submission scored against the hidden answers."""
+    def _episode(self, ep: DsEpisode) -> Episode:
+        """The finished episode, its submission scored against the hidden answers (the Analyst's last evaluation
+        when it acted last: nothing ran since)."""
+        s = ep.state
         files = visible_files(s.workspace)
-        test = self.test_evaluation(s)
+        last = s.actions[-1] if s.actions else None
+        recorded = last.evidence.get("test_evaluation") if last is not None and last.agent == ANALYST.name else None
+        test = recorded or self.test_evaluation(s)
         if "submission.csv" not in files:
             final_answer = None
-        elif test["valid"]:
+        elif test["success"]:
             final_answer = f"{test['metric']}={test['score']:.6g}"
+        elif test["valid"]:
+            final_answer = f"{test['metric']}={test['score']:.6g} (no success: {test['trivial']})"
         else:
             final_answer = f"invalid submission: {test['reason']}"
-        submission = {k: test[k] for k in ("valid", "reason", "metric", "score", "gap", "reference_fraction")}
+        submission = {k: test[k] for k in SUBMISSION_KEYS}
         # the paper's fair figures (fallbacks when invalid)
         submission["paper"] = self.paper_figures(s.task, s.workspace / "submission.csv", bool(test["valid"]))
         meta = {**episode_meta(s, self.keep_workspaces), "submission": submission}
-        meta["missing_files"] = [f for agent in self.agents for f in REQUIRED[agent] if f not in files]
+        bad = {**unusable(files, ep.receipts), **({} if test["valid"] else {"submission.csv": test["reason"]})}
+        meta["missing_files"] = [f for agent in self.agents for f in REQUIRED[agent] if f not in files or f in bad]
         return Episode(
             id=s.id,
             workflow=self.name,
             task=s.task,
             actions=tuple(s.actions),
             final_answer=final_answer,
-            correct=bool(test["valid"]),
+            correct=bool(test["success"]),
             meta=meta,
         )

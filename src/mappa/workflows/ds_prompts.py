@@ -2,12 +2,15 @@
 their first prompt and the tool response to a code run.
 
 A file list, in a prompt or in the coach's evidence, shows at most `mappa.tasks.files.MAX_LISTED` names (the
-required files present always among them), then how many more.
+required files present always among them), then how many more. A required file counts as saved only when its
+receipt (`mappa.tasks.dsbench.receipts`, taken in the sandbox) says it holds what it claims: one that is present
+but empty, garbage, of the wrong rows or unfitted is named as not usable, with why.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from mappa.sandbox.codeblocks import format_observation
 from mappa.tasks.files import bounded_names
@@ -98,18 +101,30 @@ def listed(names: Sequence[str]) -> list[str]:
     return bounded_names(names, keep=ALWAYS_LISTED)
 
 
-def missing_upstream(agent: str, files: Sequence[str]) -> dict[str, str]:
-    """Required files of the agents before `agent` that are not among `files`: file -> the agent that owed it."""
+Receipts = Mapping[str, Mapping[str, Any]]  # file -> its receipt (ok, kind, rows, columns, why)
+
+
+def unusable(files: Sequence[str], receipts: Receipts | None) -> dict[str, str]:
+    """Files among `files` whose receipt says they do not hold what they claim: file -> why."""
+    return {f: str(r.get("why") or "not what it claims") for f, r in (receipts or {}).items()
+            if f in files and r.get("ok") is not True}  # fmt: skip
+
+
+def missing_upstream(agent: str, files: Sequence[str], receipts: Receipts | None = None) -> dict[str, str]:
+    """Required files of the agents before `agent` that are not among `files`, or are there but not usable by
+    their receipts: file -> the agent that owed it."""
+    bad = unusable(files, receipts)
     out: dict[str, str] = {}
     for spec in SPECS:
         if spec.name == agent:
             break
-        out.update({f: spec.name for f in REQUIRED[spec.name] if f not in files})
+        out.update({f: spec.name for f in REQUIRED[spec.name] if f not in files or f in bad})
     return out
 
 
-def _warnings(agent: str, files: Sequence[str]) -> list[str]:
-    """One warning per earlier agent whose required files are missing."""
+def _warnings(agent: str, files: Sequence[str], receipts: Receipts | None) -> list[str]:
+    """One warning per earlier agent whose required files are missing; one per file that is not usable."""
+    bad = unusable(files, receipts)
     owed: dict[str, list[str]] = {}
     for name, owner in missing_upstream(agent, files).items():
         owed.setdefault(owner, []).append(name)
@@ -118,24 +133,38 @@ def _warnings(agent: str, files: Sequence[str]) -> list[str]:
         one = len(names) == 1
         what, it = (f"{names[0]} is", "it") if one else (f"{', '.join(names[:-1])} and {names[-1]} are", "them")
         lines.append(f"Warning: {what} missing: the {TITLES[owner]} did not save {it}.")
+    for name, owner in missing_upstream(agent, files, receipts).items():
+        if name in bad:
+            lines.append(f"Warning: {name} is not usable ({bad[name]}): the {TITLES[owner]} did not save it properly.")
     return lines
 
 
-def first_prompt(spec: AgentSpec, task: Task, files: Sequence[str], team: Team, budget: int | None) -> str:
-    """The agent's first user turn: the task, the files present, what earlier agents saved and said (their final
-    messages cut in the middle to `budget` characters; None: whole)."""
+def first_prompt(
+    spec: AgentSpec, task: Task, files: Sequence[str], team: Team, budget: int | None, receipts: Receipts | None = None
+) -> str:
+    """The agent's first user turn: the task, the files present (`receipts`: theirs when it began), what earlier
+    agents saved and said (their final messages cut in the middle to `budget` characters; None: whole)."""
     lines = [f"Task description:\n{task.problem.strip()}", f"Files in the folder: {', '.join(listed(files))}"]
     lines += [f"Saved by the {TITLES[agent]}: {', '.join(saved) or 'nothing'}" for agent, saved in team.saved.items()]
-    lines += _warnings(spec.name, files)
+    lines += _warnings(spec.name, files, receipts)
     for agent, text in team.finals.items():
         lines.append(f"The {TITLES[agent]}'s final message:\n{clip_middle(text, budget) or '(empty)'}")
     return "\n\n".join([*lines, ASK[spec.name]])
 
 
-def tool_response(spec: AgentSpec, result: ExecResult, files: Sequence[str], observation_chars: int) -> str:
-    """What a code run returns to its agent: the output, the files now present and its files still missing."""
+def tool_response(
+    spec: AgentSpec,
+    result: ExecResult,
+    files: Sequence[str],
+    observation_chars: int,
+    problems: Mapping[str, str] | None = None,
+) -> str:
+    """What a code run returns to its agent: the output, the files now present, its files still missing and
+    those present but not usable (`problems`: file -> why, from their receipts or the submission's check)."""
     missing = [f for f in REQUIRED[spec.name] if f not in files]
     still = f"\nStill missing: {', '.join(missing)}" if missing else ""
+    bad = [f"{f} ({why})" for f, why in (problems or {}).items() if f in REQUIRED[spec.name] and f in files]
+    still += f"\nNot usable yet: {'; '.join(bad)}" if bad else ""
     observation = format_observation(result, observation_chars)
     shown = ", ".join(listed(files))
     return f"<tool_response>\n{observation}\n\nFiles in the folder: {shown}{still}\n</tool_response>"

@@ -1,9 +1,10 @@
 """One data-science episode in flight (`mappa.workflows.ds_pipeline`): all of its state in one record.
 
 DsEpisode
-  state  EpisodeState   the workflow-independent part: task, workspace, actions, error, timings
-  team   Team           what the agents done so far passed on: final messages and the files each saved
-  turns  AgentTurns     the agent now playing: the files it started with, its chat so far, what it saved
+  state     EpisodeState   the workflow-independent part: task, workspace, actions, error, timings
+  team      Team           what the agents done so far passed on: final messages and the files each saved
+  turns     AgentTurns     the agent now playing: the files it started with, its chat so far, what it saved
+  receipts  dict           the latest receipts of the required pickles present (`mappa.tasks.dsbench.receipts`)
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ class AgentTurns:
     """One agent's turns in one episode so far."""
 
     start: tuple[str, ...] = ()  # the files present when it began (its first prompt lists them)
+    # the receipts when it began: earlier agents' files are judged as it found them, so a file it deletes or
+    # spoils itself is never an earlier agent's fault
+    start_receipts: dict[str, dict] = field(default_factory=dict)
     before: tuple[str, ...] = ()  # the files present before its latest action (the coach's evidence)
     history: list[tuple[Action, str]] = field(default_factory=list)  # its actions with code, and their tool responses
     saved: list[str] = field(default_factory=list)  # the files its code created or changed, in order, repeats kept
@@ -40,3 +44,4 @@ class DsEpisode:
     state: EpisodeState
     team: Team = field(default_factory=Team)
     turns: AgentTurns = field(default_factory=AgentTurns)
+    receipts: dict[str, dict] = field(default_factory=dict)  # file -> receipt, after the latest code run

@@ -11,9 +11,12 @@ Per task, seeded by (seed, task id) so that adding a task changes no other:
    ids numbered train first; train.csv, test.csv (no target), sample_submission.csv (the trivial prediction),
    description.txt, and answers/<id>/test_answer.csv outside the task folder;
 3. the reference team (`reference.py`) solves it through the sandbox (warm pool, the default limits but a
-   BUILD_TIMEOUT_S wall clock); its score is the task's `reference_score`, and a task it cannot solve, or solves
-   no better than the trivial prediction, is refused (listed in build.json).
-Finally 8 tasks (fewer for a partial build), stratified by data type, form the eval split.
+   BUILD_TIMEOUT_S wall clock); its score is the task's `reference_score`, and a task it cannot solve, or whose
+   submission is no success (no better than every trivial prediction, `submission.py`), is refused (listed in
+   build.json).
+Finally 8 tasks (fewer for a partial build), stratified by data type, form the eval split, and fingerprints.json
+holds each task's content fingerprint (fingerprints.py), by which runs find copies of its table that agent code
+could read.
 
 The files hold no timings or paths, so two builds with one seed are identical byte for byte. Whether a task is
 refused must not depend on how busy the machine is, hence the build's longer wall clock: on a shared CPU a
@@ -42,7 +45,8 @@ from mappa.errors import MappaError
 from mappa.sandbox import Sandbox
 from mappa.tasks.dsbench.catalogue import SPECS, TaskSpec, load_frame, package_versions
 from mappa.tasks.dsbench.describe import describe_task
-from mappa.tasks.dsbench.metrics import higher_is_better, trivial_prediction
+from mappa.tasks.dsbench.fingerprints import write_fingerprints
+from mappa.tasks.dsbench.metrics import trivial_prediction
 from mappa.tasks.dsbench.reference import run_reference
 from mappa.tasks.dsbench.submission import canonical, score_submission
 from mappa.types import Task
@@ -212,11 +216,10 @@ def solve_with_reference(sandbox: Sandbox, item: Prepared) -> None:
     if not run.score.valid:
         item.refused = f"invalid reference submission: {run.score.reason}"
         return
-    score, baseline = run.score.score, item.task.meta["baseline_score"]
-    if not (score > baseline if higher_is_better(item.spec.metric) else score < baseline):
-        item.refused = f"the reference ({score:.4g}) is no better than the trivial prediction ({baseline:.4g})"
+    if not run.score.success:  # a task whose reference is no success could not tell a model from a constant
+        item.refused = f"the reference is no success: {run.score.trivial}"
         return
-    item.row["reference_score"] = round(score, 6)
+    item.row["reference_score"] = round(run.score.score, 6)
 
 
 def assign_splits(rows: list[dict], seed: int) -> None:
@@ -266,6 +269,7 @@ def _finish(out: Path, staging: Path, prepared: list[Prepared], seed: int) -> Bu
         "packages": package_versions([p.spec for p in prepared]),
     }
     (staging / "build.json").write_text(json.dumps(info, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_fingerprints(staging)  # to find copies of the tables among what agent code can read (fingerprints.py)
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)

@@ -128,6 +128,34 @@ def trivial_prediction(name: str, y_train: Sequence[Any]) -> Any:
     return float(y.mean())
 
 
+def trivial_predictions(name: str, y_train: Sequence[Any]) -> dict[str, Any]:
+    """Every prediction that ignores the features which a success must beat (docs/dsbench.md), by what it is.
+
+    Classification: the majority class (ties: the smallest), as a label, or as a probability of 1 for it (the
+    positive class's probability, or one 0/1 value per class for multiclass `log_loss`), and for probability
+    metrics the training class shares. Regression: the training mean and median, and for `rmsle` also the
+    mean on the log scale. `trivial_prediction` (what `sample_submission.csv` holds) is always among them."""
+    _entry(name)
+    if name in CLASSIFICATION_METRICS:
+        values, counts = np.unique(np.asarray(y_train), return_counts=True)
+        majority = values[int(np.argmax(counts))].item()
+        if name in LABEL_METRICS:
+            return {"the majority class": majority}
+        if name == "log_loss" and len(values) > 2:
+            one_hot = {v.item(): float(v.item() == majority) for v in values}
+            return {"the majority class": one_hot, "the training class shares": trivial_prediction(name, y_train)}
+        positive = values[-1].item()  # the greater label, as `trivial_prediction` and roc_auc read it
+        return {
+            "the majority class": float(majority == positive),
+            "the training class shares": trivial_prediction(name, y_train),
+        }
+    y = np.asarray(y_train, dtype=float)
+    out = {"the training mean": float(y.mean()), "the training median": float(np.median(y))}
+    if name == "rmsle":
+        out["the training mean on the log scale"] = trivial_prediction(name, y_train)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The paper's data-science figures (method.md section 5), to set beside DSBench's gap: accuracy and F1 for
 # classification, RMSE as a percentage of the target's range and of its interquartile range for regression.

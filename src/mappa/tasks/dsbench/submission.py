@@ -10,13 +10,23 @@ as Kaggle does.
 
 Values are read as text and compared in one canonical form, so `1`, `1.0` and ` 1` are the same id or label.
 A reason quotes nothing of the file but its header's names (cut short); a bad value is named by its row or id.
+
+A valid submission is a **success** only when it is strictly better, by the task's metric, than every prediction
+that ignores the features (`trivial_scores`: sample_submission.csv as shipped, and each constant of
+`metrics.trivial_predictions` from train.csv's target, scored on the hidden answers), its predictions are not
+one constant, and it is strictly better than the same predictions shuffled across rows, every one of
+`PERMUTATIONS` seeded shuffles (a permutation test: predictions that carry nothing about which row is which,
+noise or the test ids, pass it by chance at most once in PERMUTATIONS + 1). Ties count as no better.
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import logging
 import math
+import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -27,9 +37,11 @@ import pandas as pd
 from mappa.errors import MappaError
 from mappa.tasks.dsbench.metrics import (
     LABEL_METRICS,
+    higher_is_better,
     reference_fraction,
     relative_gap,
     score_metric,
+    trivial_predictions,
 )
 from mappa.tasks.files import AgentFileError, open_agent_file, shown
 from mappa.types import Task
@@ -41,6 +53,9 @@ logger = logging.getLogger(__name__)
 MIN_SUBMISSION_BYTES = 1 << 20
 BYTES_PER_CELL = 128
 MIN_HEADER_BYTES = 1024  # plus four times the expected header's length
+# A success must beat its own predictions shuffled across rows this many times (seeded by the task id, so a
+# verdict is the same on every replay): noise passes with probability at most 1 / (PERMUTATIONS + 1).
+PERMUTATIONS = 99
 
 
 @dataclass(frozen=True)
@@ -51,6 +66,9 @@ class SubmissionScore:
     score: float | None  # the task's metric; None when invalid
     gap: float  # DSBench's relative performance gap, 0 when invalid
     reference_fraction: float  # share of the reference model's gain over the trivial prediction, 0 when invalid
+    success: bool = False  # valid and strictly better than every trivial prediction (the module docstring)
+    trivial: str = ""  # why a valid submission is no success; "" for a success or an invalid submission
+    trivial_score: float | None = None  # the best trivial prediction's score on the test set; None: not known
 
 
 class SubmissionError(Exception):
@@ -69,13 +87,13 @@ def canonical(value: str) -> str:
     return repr(number)
 
 
-def read_text_csv(path: Path, what: str, nrows: int | None = None) -> pd.DataFrame:
+def read_text_csv(path: Path, what: str, nrows: int | None = None, usecols: list[str] | None = None) -> pd.DataFrame:
     """A CSV of the task's own (trusted) files with every cell as text (nothing turned into NaN), header names
     stripped. Agent files are read with `read_agent_csv` instead."""
     if not path.is_file():
         raise SubmissionError(f"no {what} (expected {path.name} in the workspace)")
     try:
-        frame = pd.read_csv(path, dtype=str, keep_default_na=False, nrows=nrows)
+        frame = pd.read_csv(path, dtype=str, keep_default_na=False, nrows=nrows, usecols=usecols)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, ValueError) as e:
         raise SubmissionError(f"{what} is not a readable CSV ({str(e).splitlines()[0][:120]})") from None
     frame.columns = [str(c).strip() for c in frame.columns]
@@ -250,10 +268,106 @@ def _invalid(metric: str, reason: str) -> SubmissionScore:
     return SubmissionScore(False, reason, metric, None, 0.0, 0.0)
 
 
+def _constant(value: object, n: int, metric: str, labels: list[str] | None) -> np.ndarray:
+    """One trivial prediction on all `n` rows, in the form `score_metric` takes for `metric`."""
+    if isinstance(value, dict):  # multiclass probabilities: one column per class, in the submission's order
+        return np.tile([float(value.get(c, 0.0)) for c in labels or sorted(value)], (n, 1))
+    if metric == "qwk":
+        return np.full(n, int(value), dtype=np.int64)
+    if metric in LABEL_METRICS:
+        return np.array([value] * n, dtype=object)
+    return np.full(n, float(value))
+
+
+def _train_target(task_dir: Path, metric: str, target: str, multiclass: bool) -> list:
+    """train.csv's target as the answers are compared: integers (qwk), labels as text, or numbers."""
+    column = read_text_csv(task_dir / "train.csv", "train.csv", usecols=[target])[target]
+    values = [canonical(v) for v in column if v.strip()]
+    if metric == "qwk":
+        return [int(v) for v in values]
+    if metric in LABEL_METRICS or multiclass:
+        return values
+    return [float(v) for v in values]
+
+
+@functools.lru_cache(maxsize=256)
+def _trivial_table(key: tuple[str, ...]) -> tuple[tuple[str, float], ...]:
+    """(what, score) of every trivial prediction of the task `key` names (see `trivial_scores`)."""
+    task_dir, answer_path, metric, target, id_column = key[:5]
+    meta = {"task_dir": task_dir, "answer_path": answer_path, "metric": metric, "target": target}
+    task = Task(id="", problem="", answer="", source="dsbench", meta={**meta, "id_column": id_column})
+    y_true, y_sample, labels = read_submission(task, Path(task_dir) / "sample_submission.csv")
+    out = [("sample_submission.csv", score_metric(metric, y_true, y_sample, labels=labels))]
+    y_train = _train_target(Path(task_dir), metric, target, multiclass=labels is not None)
+    for what, value in trivial_predictions(metric, y_train).items():
+        y_pred = _constant(value, len(y_true), metric, labels)
+        out.append((what, score_metric(metric, y_true, y_pred, labels=labels)))
+    return tuple(out)
+
+
+def trivial_scores(task: Task) -> dict[str, float]:
+    """What each prediction that ignores the features scores on the task's hidden answers: sample_submission.csv
+    as shipped, and each constant of `trivial_predictions` from train.csv's target. All are the task's own
+    files, read once per process (a changed file is read again)."""
+    meta = task.meta
+    task_dir = Path(meta["task_dir"])
+    paths = (task_dir / "train.csv", task_dir / "sample_submission.csv", Path(meta["answer_path"]))
+    stamps = tuple(str(os.stat(p).st_mtime_ns) if p.is_file() else "" for p in paths)
+    key = (str(task_dir), str(meta["answer_path"]), str(meta["metric"]), str(meta["target"]), str(meta["id_column"]))
+    return dict(_trivial_table((*key, *stamps)))
+
+
+def _is_constant(y_pred: np.ndarray) -> bool:
+    if y_pred.ndim == 2:
+        return bool((y_pred == y_pred[0]).all())
+    return len(set(y_pred.tolist())) <= 1
+
+
+def _beats_shuffles(
+    metric: str, y_true: np.ndarray, y_pred: np.ndarray, labels: list[str] | None, score: float, seed: int
+) -> bool:
+    """Whether `score` is strictly better than that of `y_pred` with its rows shuffled, every one of
+    PERMUTATIONS times (it stops at the first shuffle that does as well)."""
+    better = (lambda a, b: a > b) if higher_is_better(metric) else (lambda a, b: a < b)
+    rng = np.random.default_rng(seed)
+    for _ in range(PERMUTATIONS):
+        shuffled = y_pred[rng.permutation(len(y_pred))]
+        if not better(score, score_metric(metric, y_true, shuffled, labels=labels)):
+            return False
+    return True
+
+
+def success_verdict(
+    task: Task, score: float, y_true: np.ndarray, y_pred: np.ndarray, labels: list[str] | None
+) -> tuple[str, float | None]:
+    """Why a valid submission scoring `score` is no success ("" when it is one), and the best trivial score.
+
+    The rule of the module docstring; a task whose trivial predictions cannot be scored gives no success."""
+    metric = str(task.meta["metric"])
+    try:
+        table = trivial_scores(task)
+    except (SubmissionError, MappaError, OSError, KeyError, ValueError) as e:
+        logger.debug("trivial predictions could not be scored", exc_info=True)
+        return f"the trivial predictions could not be scored ({type(e).__name__}): no success", None
+    pick = max if higher_is_better(metric) else min
+    what, best = pick(table.items(), key=lambda item: item[1])
+    if _is_constant(y_pred):
+        return "constant predictions: every row gets the same prediction, which ignores the features", best
+    if not (score > best if higher_is_better(metric) else score < best):
+        return f"{metric} {score:.6g} is no better than {what}'s {best:.6g}", best
+    if not _beats_shuffles(metric, y_true, y_pred, labels, score, zlib.crc32(task.id.encode())):
+        return (
+            f"{metric} {score:.6g} is no better than the same predictions shuffled across rows: they carry "
+            f"nothing about which row is which (a permutation test, {PERMUTATIONS} shuffles)"
+        ), best
+    return "", best
+
+
 def score_submission(task: Task, submission: Path) -> SubmissionScore:
     """Score `submission` (a path to a submission.csv) against the task's answers; never raises on a bad file.
 
-    The relative gap and the reference fraction use the task's `baseline_score` and `reference_score`."""
+    The relative gap and the reference fraction use the task's `baseline_score` and `reference_score`; `success`
+    and `trivial` follow the rule of the module docstring."""
     metric = str(task.meta.get("metric", ""))
     try:
         y_true, y_pred, labels = read_submission(task, Path(submission))
@@ -266,12 +380,20 @@ def score_submission(task: Task, submission: Path) -> SubmissionScore:
         return _invalid(metric, f"could not be scored ({type(e).__name__} while computing {metric})")
     if not math.isfinite(score):
         return _invalid(metric, f"{metric} is not finite ({score})")
+    try:
+        trivial, trivial_score = success_verdict(task, score, y_true, y_pred, labels)
+    except Exception as e:  # noqa: BLE001 - as above: a verdict that cannot be reached is no success
+        logger.debug("success could not be decided", exc_info=True)
+        trivial, trivial_score = f"success could not be decided ({type(e).__name__})", None
     baseline, reference = float(task.meta["baseline_score"]), float(task.meta["reference_score"])
     return SubmissionScore(
-        True,
-        "",
-        metric,
-        score,
-        relative_gap(metric, score, baseline),
-        reference_fraction(score, baseline, reference),
+        valid=True,
+        reason="",
+        metric=metric,
+        score=score,
+        gap=relative_gap(metric, score, baseline),
+        reference_fraction=reference_fraction(score, baseline, reference),
+        success=not trivial,
+        trivial=trivial,
+        trivial_score=trivial_score,
     )
