@@ -57,6 +57,7 @@ from mappa.analysis.compare import (
 from mappa.analysis.stats import paired_t_power
 from mappa.config import load_config
 from mappa.metrics import answered, correct, wilson_interval
+from mappa.tracking import is_run_dir
 from mappa.types import Episode, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,7 +152,7 @@ def power_lines(plan: PowerPlan, seeds: int, tasks: int, target: float, given: b
 def train_arm(config: str, run_dir: Path, overrides: list[str]) -> float:
     """Train one arm into `run_dir` (reused when finished, resumed when killed); returns the seconds it took."""
     overrides = [f"run_dir={run_dir}", *overrides]
-    if (run_dir / "config.yaml").is_file():  # a run from an earlier call: only if it has exactly these settings
+    if is_run_dir(run_dir):  # a run from an earlier call: only if it has exactly these settings
         if load_config(run_dir / "config.yaml") != load_config(config, overrides):
             raise SystemExit(f"{run_dir}: holds a run with other settings; give another --out")
         if (run_dir / "eval" / "final.jsonl").is_file():

@@ -170,6 +170,7 @@ def test_the_demo_shaped_report_opens_with_the_gain(tmp_path: Path) -> None:
     episodes, (before, after) = demo_like()
     run_dir = tmp_path / "demo"
     (run_dir / "eval").mkdir(parents=True)
+    (run_dir / "run.json").write_text('{"mappa_run": 1}')  # marked, as mappa marks each run it makes
     (run_dir / "config.yaml").write_text(dump_config(Config(name="demo")))
     write_jsonl(run_dir / "episodes.jsonl", episodes)
     write_jsonl(run_dir / "eval" / "start.jsonl", before)

@@ -181,6 +181,7 @@ def test_failure_kinds(result: ExecResult | None, meta: dict, answer: str | None
 def write_run(path: Path, episodes: list[Episode], *, evals: bool = True, probes: bool = True, **cfg_update) -> Path:
     """A run directory in the trainer's formats (config.yaml, episodes/metrics JSONL, eval/, probe.jsonl)."""
     path.mkdir(parents=True)
+    (path / "run.json").write_text('{"mappa_run": 1}')  # marked, as mappa marks each run it makes
     cfg = Config(name=path.name, **cfg_update)
     (path / "config.yaml").write_text(dump_config(cfg))
     write_jsonl(path / "episodes.jsonl", episodes)
@@ -334,6 +335,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     try:
         cfg = tiny_cfg(tmp, "logging.tensorboard=false")
         (tmp / "run").mkdir()
+        (tmp / "run" / "run.json").write_text('{"mappa_run": 1}')  # marked, as `mappa train` marks it
         (tmp / "run" / "config.yaml").write_text(dump_config(cfg))
         train(cfg, tmp / "run")
     finally:

@@ -62,7 +62,10 @@ def test_bad_override_type() -> None:
 
 def test_resume_of_a_non_run(tmp_path: Path) -> None:
     line = one_line_error(mappa("train", "--resume", str(tmp_path)))
-    assert "--resume" in line and "config.yaml" in line
+    assert (
+        line
+        == f"mappa: error: --resume {tmp_path}: not a mappa run directory (no run.json: mappa writes one into every run it makes)"
+    )
 
 
 def test_trace_of_a_missing_run(tmp_path: Path) -> None:
@@ -82,17 +85,28 @@ def tree(path: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("checkpointed", [True, False], ids=["checkpointed", "killed-before-a-checkpoint"])
 def test_train_refuses_to_overwrite_a_run(tmp_path: Path, checkpointed: bool) -> None:
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
+    from mappa.config import load_config
+    from mappa.tracking import new_run_dir
+
+    run_dir = new_run_dir(load_config(None, [f"run_dir={tmp_path / 'run'}"]))
     if checkpointed:
         (run_dir / "checkpoints" / "step-000001").mkdir(parents=True)
         (run_dir / "checkpoints" / "step-000001" / "state.json").write_text('{"step": 1, "cursor": 2}')
-    (run_dir / "config.yaml").write_text("seed: 7\n")
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "train/accuracy": 0.5}\n')
     before = tree(run_dir)
     line = one_line_error(mappa("train", "configs/demo.yaml", "--set", f"run_dir={run_dir}"))
     assert f"run_dir {run_dir} already holds a run" in line and f"--resume {run_dir}" in line
     assert tree(run_dir) == before
+
+
+def test_train_refuses_a_run_dir_holding_the_users_files(tmp_path: Path) -> None:
+    """`--set run_dir=` a source folder: its own config.yaml (comments and all) is not replaced by the run's."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "config.yaml").write_text("# my notes\nseed: 7\n")
+    line = one_line_error(mappa("train", "configs/demo.yaml", "--set", f"run_dir={folder}"))
+    assert line == f"mappa: error: run_dir {folder}: holds files and is not a mappa run; give a new or empty directory"
+    assert tree(folder) == {"config.yaml": b"# my notes\nseed: 7\n"}
 
 
 def test_train_unknown_agent_lr_fails_before_the_run_dir_exists(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ def test_eval_command_on_a_saved_checkpoint(tmp_path: Path, capsys: pytest.Captu
     policy = Policy.from_config(cfg.model, agents, seed=0)
     ckpt = tmp_path / "run" / "checkpoints" / "step-000003"
     policy.save(ckpt / "policy")
+    (tmp_path / "run" / "run.json").write_text('{"mappa_run": 1}')  # a run mappa made: eval/ goes in it
     assert eval_command(cfg, str(ckpt), None) == 0
     out = tmp_path / "run" / "eval"
     episodes = (out / "step-000003.jsonl").read_text().splitlines()
@@ -101,6 +102,7 @@ def test_eval_command_plays_the_checkpoints_weights(tmp_path: Path) -> None:
             p.add_(torch.randn(p.shape, generator=gen) * 0.5)
     ckpt = tmp_path / "run" / "checkpoints" / "step-000003"
     trained.save(ckpt / "policy")
+    (tmp_path / "run" / "run.json").write_text('{"mappa_run": 1}')  # a run mappa made: eval/ goes in it
     assert eval_command(cfg, str(ckpt), None) == 0
 
     episodes = read_jsonl(tmp_path / "run" / "eval" / "step-000003.jsonl", Episode)
@@ -184,6 +186,7 @@ def test_eval_of_a_damaged_checkpoint_is_one_line_and_writes_nothing(
     ckpt = tmp_path / "run" / "checkpoints" / "step-000002"
     Policy.from_config(cfg.model, build_workflow(cfg).agents, seed=0).save(ckpt / "policy")
     harm(ckpt / "policy")
+    (tmp_path / "run" / "run.json").write_text('{"mappa_run": 1}')  # a run mappa made: eval/ goes in it
     config = tmp_path / "tiny.yaml"
     config.write_text(dump_config(cfg))
     before = sorted(p for p in (tmp_path / "run").rglob("*"))

@@ -37,6 +37,7 @@ def make_run(run: Path, *overrides: str, steps: tuple[int, ...] = (3,)) -> Polic
                              f"run_dir={run}", *overrides])  # fmt: skip
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(dump_config(cfg))
+    (run / "run.json").write_text('{"mappa_run": 1}')  # marked, as `mappa train` marks it
     agents = build_workflow(cfg).agents
     policy = Policy.from_config(cfg.model, agents, seed=cfg.seed)
     for step in steps:
@@ -156,6 +157,7 @@ def test_the_embedded_base_is_named_by_its_hub_id(tmp_path: Path) -> None:
     cfg = load_config(None, ["model.lora_r=16", f"run_dir={run}"])
     run.mkdir()
     (run / "config.yaml").write_text(dump_config(cfg))
+    (run / "run.json").write_text('{"mappa_run": 1}')
     model, tokenizer = tiny_model_and_tokenizer()
     policy = Policy.from_model(model, tokenizer, ["solver"], base_name=cfg.model.name, lora_r=16)
     save_checkpoint(run, 1, policy=policy, optimizers={}, state={"cursor": 0})
@@ -178,11 +180,12 @@ def test_bad_input_is_one_line(lora_run: tuple[Path, Policy], tmp_path: Path, ca
     (tmp_path / "not-a-run").mkdir()
     (tmp_path / "untrained").mkdir()
     (tmp_path / "untrained" / "config.yaml").write_text((run / "config.yaml").read_text())
+    (tmp_path / "untrained" / "run.json").write_text((run / "run.json").read_text())
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     cases = {
         (str(tmp_path / "nope"), "--out", str(tmp_path / "o1")): "run directory not found",
-        (str(tmp_path / "not-a-run"), "--out", str(tmp_path / "o2")): "not a run directory (config.yaml missing)",
+        (str(tmp_path / "not-a-run"), "--out", str(tmp_path / "o2")): "not a mappa run directory (no run.json",
         (str(tmp_path / "untrained"), "--out", str(tmp_path / "o3")): "no complete checkpoint under",
         (str(run), "--checkpoint", "step-000009", "--out", str(tmp_path / "o4")): "--checkpoint step-000009: neither",
         (str(run), "--out", str(tmp_path / "full")): "exists and is not empty",

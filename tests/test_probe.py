@@ -47,6 +47,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir.mkdir()
     cfg = load_config(None, [*TINY, f"run_dir={run_dir}"])
     (run_dir / "config.yaml").write_text(dump_config(cfg), encoding="utf-8")
+    (run_dir / "run.json").write_text('{"mappa_run": 1}')  # marked, as `mappa train` marks it
     policy = Policy.from_config(cfg.model, build_workflow(cfg).agents, seed=cfg.seed)
     with Sandbox(cfg.sandbox) as sandbox:
         metrics, episodes = evaluate(cfg, policy, sandbox, eval_tasks(cfg))
@@ -149,6 +150,7 @@ def test_missing_foreign_and_empty_run_directories(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "config.yaml").write_text("name: x\n")
+    (empty / "run.json").write_text('{"mappa_run": 1}')
     with pytest.raises(MappaError, match="no checkpoints to probe"):
         probe_run(empty)
 

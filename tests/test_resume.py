@@ -391,6 +391,23 @@ def test_resume_with_set_extends_the_run_and_keeps_the_setting(
     assert latest_checkpoint(run_dir).name == "step-000003"
 
 
+def test_a_run_made_by_mappa_train_is_taken_by_every_command_that_writes_into_it(
+    finished_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The marker `mappa train` writes is what report and eval's default --out ask for (and probe, whose own
+    tests mark their run so); eval finds the run from the checkpoint or from its policy/ alike."""
+    from mappa.cli import main
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    assert json.loads((run_dir / "run.json").read_text())["mappa_run"] == 1
+    assert main(["report", str(run_dir)]) == 0 and (run_dir / "report.html").is_file()
+    config = str(run_dir / "config.yaml")
+    assert main(["eval", config, "--checkpoint", str(run_dir / "checkpoints" / "step-000002" / "policy")]) == 0
+    assert (run_dir / "eval" / "step-000002.jsonl").is_file() and not (run_dir / "checkpoints" / "eval").exists()
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize(("keep", "left"), [(2, [3, 4]), (1, [4]), (0, [1, 2, 3, 4])])
 def test_checkpoint_rotation_keeps_the_newest(tmp_path: Path, keep: int, left: list[int]) -> None:
     """`train.keep_checkpoints`: the newest `keep` complete checkpoints stay (0: all, for `mappa probe`)."""

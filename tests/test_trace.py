@@ -53,6 +53,7 @@ def episode(eid: str, correct: bool, step: int, coder_score: float = 2.0) -> Epi
 
 @pytest.fixture()
 def run_dir(tmp_path: Path) -> Path:
+    (tmp_path / "run.json").write_text('{"mappa_run": 1}')  # marked, as mappa marks each run it makes
     write_jsonl(
         tmp_path / "episodes.jsonl",
         [episode("e1", False, 1), episode("e2", True, 1, 9.0), episode("e3", False, 2, 1.0), episode("e4", True, 2)],
@@ -87,6 +88,7 @@ def test_errors_name_what_is_missing(run_dir: Path, tmp_path: Path) -> None:
         trace_command(str(run_dir), step=7)
     empty = tmp_path / "empty"
     empty.mkdir()
+    (empty / "run.json").write_text('{"mappa_run": 1}')  # a run stopped before its first step
     with pytest.raises(MappaError, match="no episodes.jsonl"):
         trace_command(str(empty))
 

@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from mappa.checkpoint import latest_checkpoint
-from mappa.config import Config, load_config
+from mappa.config import Config
 from mappa.errors import MappaError
 from mappa.evaluate import policy_dir
 from mappa.models import load_base_model, public_name
 from mappa.policy_files import read_manifest
-from mappa.tracking import read_metrics
+from mappa.tracking import read_metrics, run_config
 
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's --max-lora-rank accepts
 _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -65,15 +65,6 @@ def find_checkpoint(run_dir: Path, checkpoint: str | None) -> Path:
         if candidate.is_dir():
             return candidate
     raise MappaError(f"--checkpoint {checkpoint}: neither {run_dir / 'checkpoints' / checkpoint} nor a directory")
-
-
-def run_config(run_dir: Path) -> Config:
-    """The run's resolved config (RUN/config.yaml); a directory that is not a run is a one-line error."""
-    if not run_dir.is_dir():
-        raise MappaError(f"{run_dir}: run directory not found")
-    if not (run_dir / "config.yaml").is_file():
-        raise MappaError(f"{run_dir}: not a run directory (config.yaml missing)")
-    return load_config(run_dir / "config.yaml")
 
 
 def export_run(

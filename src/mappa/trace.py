@@ -10,14 +10,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mappa.errors import MappaError
+from mappa.tracking import require_run_dir
 from mappa.types import Action, Episode, read_jsonl
 
 
 def load_episodes(run_dir: str | Path, step: int | None = None) -> list[Episode]:
     """Episodes of a run (training rollouts), optionally of one step only."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise MappaError(f"{run_dir}: run directory not found")
+    run_dir = require_run_dir(run_dir)
     path = run_dir / "episodes.jsonl"
     if not path.is_file():
         raise MappaError(f"{run_dir}: no episodes.jsonl yet (has the run finished a step?)")

@@ -6,26 +6,33 @@ rerunning anything. The trackers of `logging.report_to` (TensorBoard, W&B, MLflo
 through accelerate's tracker classes, used without an Accelerator; run.json keeps each tracker's run id, so a
 resumed run logs on to the same tracked run. `new_run_dir` records what is needed to reproduce a run (resolved
 config, git commit, package versions, command line).
+
+What a run directory is, is decided here alone: one whose run.json holds `"mappa_run": RUN_FORMAT`, written when
+`new_run_dir` makes it. Every command that takes a RUN_DIR asks `require_run_dir` first, so a user's folder that
+happens to hold a config.yaml or an episodes.jsonl is refused with one line, never resumed or written into.
 """
 
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import math
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from mappa.config import Config, dump_config
+from mappa.config import Config, dump_config, load_config
 from mappa.errors import MappaError
 from mappa.paths import atomic_write
 from mappa.types import Episode
@@ -33,6 +40,11 @@ from mappa.types import Episode
 VERSIONED = ("mappa-rl", "torch", "transformers", "peft", "pydantic", "openai", "math-verify", "numpy")
 RUN_LOGS = ("episodes.jsonl", "metrics.jsonl", "eval/summary.jsonl")  # logs with one row per step (or eval)
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # `logging.report_to`'s values, each its package's name
+MARKER = "mappa_run"  # run.json's key: the run directory's format version, written when mappa makes the run
+RUN_FORMAT = 1  # the layout of a run directory this version reads and writes
+MAX_RUN_JSON = 1 << 20  # bytes: run.json holds a few ids and names; anything larger is not mappa's
+# What a run holds before its first evaluation: a start that fails with no more than these is undone
+START_FILES = frozenset({"config.yaml", "run.json", "adapters", "wandb"})
 
 
 class Tracker:
@@ -150,25 +162,25 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def tracker_ids(run_dir: str | Path) -> dict[str, str]:
     """The run ids of the trackers this run logged to, from run.json (`{"wandb": ..., "mlflow": ...}`)."""
-    return dict(_run_json(Path(run_dir)).get("trackers", {}))
+    return dict(run_json(run_dir).get("trackers", {}))
 
 
 def remember_tracker_id(run_dir: str | Path, name: str, run_id: str) -> None:
     """Keep `name`'s run id in run.json's "trackers", beside what `new_run_dir` wrote there."""
-    meta = _run_json(Path(run_dir))
-    if meta.get("trackers", {}).get(name) == run_id:
-        return
-    meta["trackers"] = {**meta.get("trackers", {}), name: run_id}
-    atomic_write(Path(run_dir) / "run.json", json.dumps(meta, indent=1))
+    trackers = run_json(run_dir).get("trackers", {})
+    if trackers.get(name) != run_id:
+        update_run_json(run_dir, trackers={**trackers, name: run_id})
 
 
-def _run_json(run_dir: Path) -> dict[str, Any]:
+def run_json(run_dir: str | Path) -> dict[str, Any]:
     """run.json as a dict; {} when it is missing, empty (claimed, not yet written) or not a JSON object."""
-    try:
-        meta = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return meta if isinstance(meta, dict) else {}
+    found, _ = _read_run_json(Path(run_dir) / "run.json")
+    return found if isinstance(found, dict) else {}
+
+
+def update_run_json(run_dir: str | Path, **fields: Any) -> None:
+    """Set `fields` in run.json, keeping what is there (the marker `new_run_dir` wrote, the trackers' ids)."""
+    atomic_write(Path(run_dir) / "run.json", json.dumps({**run_json(run_dir), **fields}, indent=1))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
@@ -211,42 +223,160 @@ def _versions() -> dict[str, str]:
     return out
 
 
-RUN_FILES = ("checkpoints", "run.json", "metrics.jsonl", "episodes.jsonl")  # any of them: the directory holds a run
+def run_dir_problem(path: Path) -> str | None:
+    """Why `path` is not a run directory this mappa made (one phrase), or None when it is one."""
+    if not path.exists():
+        return "run directory not found"
+    if not path.is_dir():
+        return "not a directory (give a run directory, e.g. runs/demo-YYYYMMDD-HHMMSS)"
+    meta = path / "run.json"
+    if not meta.exists():
+        return "not a mappa run directory (no run.json: mappa writes one into every run it makes)"
+    found, why = _read_run_json(meta)
+    if why:
+        return f"not a mappa run directory (run.json is not mappa's: {why})"
+    if not isinstance(found, dict) or MARKER not in found:
+        return (
+            f'not a mappa run directory (run.json has no "{MARKER}" format version; if mappa made this run before '
+            f'run directories were marked, add "{MARKER}": {RUN_FORMAT} to its run.json)'
+        )
+    version = found[MARKER]
+    if type(version) is not int:  # not bool: true == 1 in Python, but is no format version
+        return (
+            f'not a mappa run directory (run.json\'s "{MARKER}" is {json.dumps(version)[:40]}, not a format version)'
+        )
+    if version != RUN_FORMAT:
+        return (
+            f"not a mappa run directory this version reads (run.json: format {version}; this mappa reads {RUN_FORMAT})"
+        )
+    return None
 
 
-def _claim(run_dir: Path) -> bool:
-    """Take `run_dir` for a new run, or False when it is taken. Race-free: a directory is created (or, when it is
-    there and empty of run files, its run.json) exclusively, so of two runs reaching for one name only one
-    gets it. A run killed before its first checkpoint has logs but no checkpoints: never taken either."""
+def _read_run_json(path: Path) -> tuple[Any, str]:
+    """run.json's contents, or why it cannot be mappa's: a regular file only (a FIFO would block the read), read
+    up to MAX_RUN_JSON bytes (the folder may be anyone's)."""
+    if not path.is_file():
+        return None, "not a file"
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_RUN_JSON + 1)
+    except OSError as e:
+        return None, e.strerror or type(e).__name__
+    if len(data) > MAX_RUN_JSON:
+        return None, f"over {MAX_RUN_JSON >> 20} MiB"
+    try:
+        return json.loads(data.decode("utf-8")), ""
+    except UnicodeDecodeError:
+        return None, "not UTF-8 text"
+    except json.JSONDecodeError:
+        return None, "not JSON"
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """Whether `path` is a run directory this mappa made (`require_run_dir` says why not)."""
+    return run_dir_problem(Path(path)) is None
+
+
+def require_run_dir(path: str | Path, what: str = "") -> Path:
+    """`path` when it is a run directory mappa made: run.json holding `"mappa_run": RUN_FORMAT`, written when
+    `new_run_dir` made it. Otherwise one MappaError line, `"{what} {path}: ..."`, naming what is missing (`what`:
+    the command or argument, "--resume", "report", ...). Only run.json is read, so a refused directory (a source
+    folder with its own config.yaml, a user's episodes.jsonl) is left exactly as it was."""
+    path = Path(path)
+    problem = run_dir_problem(path)
+    if problem is not None:
+        raise MappaError(f"{what} {path}: {problem}" if what else f"{path}: {problem}")
+    return path
+
+
+def run_config(run_dir: str | Path, what: str = "", overrides: Sequence[str] = ()) -> Config:
+    """The config.yaml of the run directory `run_dir` (`require_run_dir`), with `a.b=c` overrides."""
+    return load_config(require_run_dir(run_dir, what) / "config.yaml", list(overrides))
+
+
+def _claim(run_dir: Path) -> Literal["made", "empty", "taken"]:
+    """Take `run_dir` for a new run: "made" it, took it "empty" (a directory made beforehand, holding nothing),
+    or "taken" (a run, or anyone's files: never written into). Race-free: a directory is created, or an empty
+    one's run.json, exclusively, so of two runs reaching for one name only one gets it."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
+    how: Literal["made", "empty"] = "made"
     try:
         os.mkdir(run_dir)
     except FileExistsError:
-        if not run_dir.is_dir() or any((run_dir / name).exists() for name in RUN_FILES):
-            return False
+        if not run_dir.is_dir() or any(run_dir.iterdir()):
+            return "taken"
+        how = "empty"
     try:
         os.close(os.open(run_dir / "run.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     except FileExistsError:
-        return False
-    return True
+        return "taken"
+    return how
+
+
+def _make_run_dir(cfg: Config) -> tuple[Path, bool]:
+    """`new_run_dir`, and whether it made the directory (False: it took an empty one made beforehand)."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    first = Path(cfg.run_dir.format(name=cfg.name, time=stamp))
+    for n in itertools.count(1):
+        run_dir = first if n == 1 else first.with_name(f"{first.name}-{n}")
+        how = _claim(run_dir)
+        if how != "taken":
+            break
+        if "{time}" in cfg.run_dir:
+            continue  # another run of the same second, or anyone's folder: the next suffix
+        if is_run_dir(run_dir):
+            raise MappaError(f"run_dir {run_dir} already holds a run; use --resume {run_dir} or another run_dir")
+        if not run_dir.is_dir():
+            raise MappaError(f"run_dir {run_dir}: not a directory")
+        raise MappaError(f"run_dir {run_dir}: holds files and is not a mappa run; give a new or empty directory")
+    atomic_write(run_dir / "config.yaml", dump_config(cfg))
+    meta = {
+        MARKER: RUN_FORMAT,
+        "git_commit": _git_commit(),
+        "versions": _versions(),
+        "argv": sys.argv,
+        "started": stamp,
+    }
+    atomic_write(run_dir / "run.json", json.dumps(meta, indent=1))
+    return run_dir, how == "made"
 
 
 def new_run_dir(cfg: Config) -> Path:
-    """A fresh run directory with config.yaml and run.json. When the name has a {time} in it, a directory that
-    another run already took (two started within the same second) gets a suffix: -2, -3, ...; a name without
-    {time} names one directory, and a run already there is an error."""
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(cfg.run_dir.format(name=cfg.name, time=stamp))
-    n = 1
-    while not _claim(run_dir if n == 1 else run_dir.with_name(f"{run_dir.name}-{n}")):
-        if "{time}" not in cfg.run_dir:
-            raise MappaError(f"run_dir {run_dir} already holds a run; use --resume {run_dir} or another run_dir")
-        n += 1
-    run_dir = run_dir if n == 1 else run_dir.with_name(f"{run_dir.name}-{n}")
-    atomic_write(run_dir / "config.yaml", dump_config(cfg))
-    meta = {"git_commit": _git_commit(), "versions": _versions(), "argv": sys.argv, "started": stamp}
-    atomic_write(run_dir / "run.json", json.dumps(meta, indent=1))
-    return run_dir
+    """A fresh run directory with config.yaml and run.json (marked: `require_run_dir`). When the name has a
+    {time} in it, a directory that is taken (another run started within the same second, or anyone's files)
+    gets a suffix: -2, -3, ...; a name without {time} names one directory: new, or empty, or an error."""
+    return _make_run_dir(cfg)[0]
+
+
+@contextmanager
+def started_run_dir(cfg: Config) -> Iterator[Path]:
+    """A new run directory (`new_run_dir`) for the block. When the block fails (or Ctrl-C stops it) while the
+    run holds no more than its start (START_FILES: no evaluation, no step), the start is undone: the directory
+    is removed, or emptied again when it was an empty one made beforehand. A run that got further stays, to be
+    resumed."""
+    run_dir, made = _make_run_dir(cfg)
+    try:
+        yield run_dir
+    except BaseException:
+        _undo_start(run_dir, made)
+        raise
+
+
+def _undo_start(run_dir: Path, made: bool) -> None:
+    try:
+        names = {p.name for p in run_dir.iterdir()}
+        if not names <= START_FILES:
+            return
+        for name in names:
+            path = run_dir / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        if made:
+            run_dir.rmdir()
+    except OSError:  # what could not be undone stays; the start's own error is the one to report
+        pass
 
 
 def drop_lines_after(path: Path, step: int) -> None:

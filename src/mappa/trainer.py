@@ -71,7 +71,8 @@ from mappa.update import UpdateJob, UpdateSettings, config_groups
 class Event:
     """What the run reports as it goes; the CLI turns these into console lines."""
 
-    kind: Literal["status", "note", "eval", "step"]  # status: work starting; note: a line to show
+    # status: work starting; note: a line to show; run: the run directory (text), named as the run starts
+    kind: Literal["status", "note", "run", "eval", "step"]
     step: int
     text: str = ""
     metrics: dict[str, float] = field(default_factory=dict)

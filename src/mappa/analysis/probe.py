@@ -41,9 +41,10 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mappa.config import Config, load_config
+from mappa.config import Config
 from mappa.errors import MappaError
 from mappa.protocols import ProgressFn
+from mappa.tracking import run_config
 from mappa.types import Action, Episode, Message, Task
 
 PROBE_FILE = "probe.jsonl"
@@ -87,17 +88,6 @@ class ProbeSummary:
 
 
 # ---------------------------------------------------------------------------------------------------- the run
-def run_config(run_dir: Path) -> Config:
-    """The run's config.yaml; a missing or foreign directory is one MappaError line."""
-    if not run_dir.exists():
-        raise MappaError(f"{run_dir}: run directory not found")
-    if not run_dir.is_dir():
-        raise MappaError(f"{run_dir}: not a directory (give a run directory, e.g. runs/demo-YYYYMMDD-HHMMSS)")
-    if not (run_dir / "config.yaml").is_file():
-        raise MappaError(f"{run_dir}: not a mappa run directory (config.yaml missing)")
-    return load_config(run_dir / "config.yaml")
-
-
 def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """(step, directory) of the run's complete checkpoints, in step order; half-written ones are left out."""
     found = []
@@ -213,7 +203,7 @@ def gsm8k_accuracy(policy: Any, agent: str | None, tasks: Sequence[Task], max_ne
     gens = policy.generate(
         agent, convs, temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, max_context_tokens=None, seed=0
     )
-    right = sum(check_answer(g.text, t.answer) for g, t in zip(gens, tasks, strict=True))
+    right = sum(check_answer(g.text, t.answer, t.problem) for g, t in zip(gens, tasks, strict=True))
     return right / len(tasks), len(tasks)
 
 
@@ -311,7 +301,7 @@ def probe_run(
     goes on from there. `progress(done, total)` counts measurements (one KL, NLL or accuracy each).
     """
     run_dir = Path(run_dir)
-    cfg = run_config(run_dir)
+    cfg = run_config(run_dir)  # before anything is written into it
     found = checkpoints(run_dir)
     if not found:
         raise MappaError(f"{run_dir}: no checkpoints to probe (no complete checkpoints/step-*/)")

@@ -1,5 +1,5 @@
 """A run directory read back from its files, robustly: a killed run, a missing file or a torn line is a note,
-never a crash; a directory that is not a run is one MappaError line.
+never a crash; a directory that mappa did not make as a run is one MappaError line (`require_run_dir`).
 
     run = load_run("runs/demo-20261201-134907")
     run.episodes      training rollouts (episodes.jsonl, each with meta["step"])
@@ -26,9 +26,9 @@ from pydantic import ValidationError
 
 from mappa.config import AnalysisConfig, config_from_dict
 from mappa.errors import MappaError
+from mappa.tracking import require_run_dir
 from mappa.types import Action, Episode, Task
 
-MARKERS = ("config.yaml", "run.json", "metrics.jsonl", "episodes.jsonl", "eval/summary.jsonl")
 STRATA = ("source", "data_type", "difficulty")
 PROBES = ("kl_base", "general_nll", "role_nll", "gsm8k_accuracy")
 
@@ -188,13 +188,7 @@ def _read_evals(run: RunData) -> None:
 
 def load_run(path: str | Path) -> RunData:
     """Read a run directory; a missing or foreign directory is a one-line MappaError, a partial run is notes."""
-    path = Path(path)
-    if not path.exists():
-        raise MappaError(f"{path}: run directory not found")
-    if not path.is_dir():
-        raise MappaError(f"{path}: not a directory (give a run directory, e.g. runs/demo-YYYYMMDD-HHMMSS)")
-    if not any((path / m).is_file() for m in MARKERS):
-        raise MappaError(f"{path}: not a mappa run directory (none of {', '.join(MARKERS)})")
+    path = require_run_dir(path)
     run = RunData(path)
     cfg = path / "config.yaml"
     if cfg.is_file():

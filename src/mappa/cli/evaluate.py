@@ -17,9 +17,11 @@ from rich.table import Table
 
 from mappa.cli.confinement import print_confinement
 from mappa.config import Config
+from mappa.errors import MappaError
 from mappa.evaluate import eval_tasks, evaluate, policy_dir, write_eval
 from mappa.metrics import PAPER_FIGURES, sources, wilson_interval
 from mappa.protocols import ProgressFn
+from mappa.tracking import run_dir_problem
 
 COLUMNS = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
 
@@ -51,23 +53,27 @@ def accuracy_table(metrics: dict[str, float], prefix: str = "eval") -> Table:
 
 
 def tabular_table(metrics: dict[str, float], prefix: str = "eval") -> Table | None:
-    """Tabular tasks' submissions per data type (`mappa.metrics`): valid share with its interval, DSBench's gap
-    and the fraction of the reference; None when the evaluation had no tabular task."""
+    """Tabular tasks' submissions per data type (`mappa.metrics`): the success share (better than every trivial
+    prediction) and the valid share with their intervals, DSBench's gap and the fraction of the reference; None
+    when the evaluation had no tabular task. Episodes recorded before the success rule show no success column."""
     head = f"{prefix}/tabular"
     if f"{head}/episodes" not in metrics:
         return None
     table = Table(title_justify="left")
     paper = any(k.startswith(f"{head}/paper/") for k in metrics)  # the paper's fair figures, when episodes had them
-    for col in ("data type", "episodes", "valid [95% CI]", "gap", "of reference",
-                *(("accuracy", "F1", "RMSE % range", "RMSE % IQR") if paper else ())):  # fmt: skip
+    success = f"{head}/success_rate" in metrics
+    for col in ("data type", "episodes", *(("success [95% CI]",) if success else ()), "valid [95% CI]", "gap",
+                "of reference", *(("accuracy", "F1", "RMSE % range", "RMSE % IQR") if paper else ())):  # fmt: skip
         table.add_column(col, justify="left" if col == "data type" else "right")
     types = sorted({k[len(head) + 1 :].split("/")[0] for k in metrics if k.startswith(head + "/")} - {"valid_rate",
-                   "gap", "reference_fraction", "episodes", "paper"})  # fmt: skip
+                   "success_rate", "gap", "reference_fraction", "episodes", "paper"})  # fmt: skip
     for name, key in [*((t, f"{head}/{t}") for t in types), ("[bold]all[/]", head)]:
         n = metrics[f"{key}/episodes"]
         figures = [_paper_cell(metrics.get(f"{key}/paper/{k}"), k) for k in PAPER_FIGURES] if paper else []
-        table.add_row(name, f"{n:.0f}", pct_ci(metrics[f"{key}/valid_rate"], n), f"{metrics[f'{key}/gap']:.3f}",
-                      f"{metrics[f'{key}/reference_fraction']:.2f}", *figures)  # fmt: skip
+        successes = [pct_ci(metrics[f"{key}/success_rate"], n)] if success else []
+        table.add_row(name, f"{n:.0f}", *successes, pct_ci(metrics[f"{key}/valid_rate"], n),
+                      f"{metrics[f'{key}/gap']:.3f}", f"{metrics[f'{key}/reference_fraction']:.2f}",
+                      *figures)  # fmt: skip
     return table
 
 
@@ -104,10 +110,24 @@ def print_eval(
     )
 
 
+def default_out(weights: Path | None) -> Path:
+    """Where `mappa eval` writes without --out: runs/eval for the base model; for a checkpoint (`weights`: its
+    policy/), the eval/ of the run that holds it, which must be a run mappa made (`run_dir_problem`): a
+    checkpoint copied elsewhere needs --out, so no folder around it is written into."""
+    if weights is None:
+        return Path("runs/eval")
+    run_dir = (weights.parent if weights.name == "policy" else weights).parent.parent  # RUN/checkpoints/step-N
+    problem = run_dir_problem(run_dir)
+    if problem is not None:
+        raise MappaError(f"--checkpoint {weights}: its run {run_dir}: {problem}; give --out DIR for the results")
+    return run_dir / "eval"
+
+
 def eval_command(cfg: Config, checkpoint: str | None, out: str | None) -> int:
     """`mappa eval`: evaluate the base model (no --checkpoint) or a trained checkpoint; writes JSONL."""
     console = Console(stderr=True)
     weights = policy_dir(Path(checkpoint)) if checkpoint is not None else None  # a typo fails before loading
+    out_dir = Path(out) if out else default_out(weights)
     print_confinement(console, cfg)
     from mappa.rollout import build_kit
     from mappa.workflows import build_workflow
@@ -117,7 +137,6 @@ def eval_command(cfg: Config, checkpoint: str | None, out: str | None) -> int:
     tag = "base" if weights is None else weights.name if weights.name != "policy" else weights.parent.name
     with console.status(f"loading {cfg.model.name if weights is None else weights}"):
         kit = build_kit(cfg, agents, weights=weights, coach=False)  # no coach: accuracy is the rule-based check
-    out_dir = Path(out) if out else (Path(checkpoint).parent.parent / "eval" if checkpoint else Path("runs/eval"))
     with kit, action_bar(console, "evaluating") as progress:
         metrics, episodes = evaluate(cfg, kit.policy, kit.sandbox, tasks, progress=progress)
     write_eval(out_dir, tag, metrics, episodes)

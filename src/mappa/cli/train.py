@@ -5,24 +5,29 @@ start, every `train.eval_every` steps and the end, and one line per step (train 
 coach score, loss / KL, optimizer steps, clip fraction, seconds), and after it one line per agent that trained
 on no action in that step, with why (actions cut off at the token cap, unscored, ...). At the end, the held-out
 accuracy before and after with Wilson 95% intervals, and the gain with a 95% interval paired by task
-(Agresti-Min), so a gain can be told from noise. The first line names the sandbox's confinement. A run in
-which no agent trained on any action ends with a warning line and exit code 3.
+(Agresti-Min), so a gain can be told from noise. The first line names the sandbox's confinement, the next the
+run directory. A run in which no agent trained on any action ends with a warning line and exit code 3. Ctrl-C
+ends with the step that is saved and the exact command that continues the run (exit code 130).
 """
 
 from __future__ import annotations
 
 import math
+import shlex
+from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import Progress, TaskID
 
 from mappa.api import train
+from mappa.checkpoint import latest_checkpoint
 from mappa.cli.evaluate import COLUMNS, print_eval
-from mappa.config import Config, load_config
+from mappa.config import Config
 from mappa.errors import MappaError
 from mappa.metrics import Gain
 from mappa.rewards import no_training_reason, untrained_groups
+from mappa.tracking import is_run_dir, run_config
 from mappa.trainer import Event, TrainResult
 
 NOTHING_TRAINED = 3  # the exit code of a run in which no agent trained on any action (docs/training.md)
@@ -47,6 +52,7 @@ class Printer:
         self.header_shown = False
         self.bar: Progress | None = None
         self.task: TaskID | None = None
+        self.run_dir: Path | None = None  # once the run has named it
 
     def show(self, label: str) -> None:
         """What is under way, on a transient bar (nothing stays on screen; none at all in a piped log)."""
@@ -80,6 +86,9 @@ class Printer:
                 event.text.replace("self-test ok:", "[green]self-test ok[/]"), style=style, highlight=False,
                 soft_wrap=True,
             )  # fmt: skip
+        elif event.kind == "run":
+            self.run_dir = Path(event.text)
+            self.console.print(f"run: {event.text}", markup=False, highlight=False, soft_wrap=True)
         elif event.kind == "eval":
             print_eval(self.console, f"eval {event.text} (step {event.step})", event.metrics, self.agents)
         elif event.kind == "step":
@@ -161,28 +170,49 @@ def _report(console: Console, result: TrainResult) -> None:
     console.print(f"run: {result.run_dir}", highlight=False, soft_wrap=True)
 
 
+def resume_command(run_dir: Path, overrides: Sequence[str], ray: str | None, resumed: bool = False) -> str:
+    """The exact command that continues the run. A new run's config.yaml holds its --set overrides; a resume's
+    reach config.yaml only once its checkpoint has loaded, so they are repeated (harmless after that); --ray is
+    in no config."""
+    args = ["mappa", "train", "--resume", str(run_dir)]
+    if resumed:
+        args += [a for o in overrides for a in ("--set", o)]
+    if ray is not None:
+        args += ["--ray", ray]
+    return shlex.join(args)
+
+
+def interrupted_line(run_dir: Path, command: str) -> str:
+    """What Ctrl-C leaves: the step saved and how to go on, or that there is nothing to go on from."""
+    if not is_run_dir(run_dir):  # stopped within its start, which `mappa.api.train` undid
+        undone = "removed" if not run_dir.exists() else "emptied again"  # an empty directory given stays
+        return f"interrupted before the run started: nothing is saved ({run_dir} {undone})"
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return f"interrupted before the first checkpoint: no step is saved; {command} starts the run over"
+    step = int(ckpt.name.removeprefix("step-"))
+    return f"interrupted: step {step} is saved ({ckpt}); continue with: {command}"
+
+
 def train_command(cfg: Config | None, resume: str | None, overrides: list[str], ray: str | None = None) -> int:
     """`mappa train CONFIG [--set k=v]` or `mappa train --resume RUN_DIR [--set k=v]`; `--ray local|auto|ADDRESS`
     places the run's work on a Ray cluster (`mappa.distributed`).
 
     A thin layer over `mappa.train` (`mappa.api`): nothing is written before the arguments and the sandbox check
-    out, and a resume rewrites the run's config.yaml (with the --set overrides) only once its checkpoint has
-    loaded and the self-test has passed."""
+    out, a resume takes only a directory mappa made as a run (`mappa.tracking.require_run_dir`) and rewrites its
+    config.yaml (with the --set overrides) only once its checkpoint has loaded and the self-test has passed."""
     place = None
     if ray is not None:  # a missing Ray is one line, before anything is written
         from mappa.distributed import placement
 
         place = placement(ray)
     if resume is not None:
-        run_dir = Path(resume)
         if cfg is not None:
             raise MappaError(
                 "mappa train: give CONFIG or --resume RUN_DIR, not both (a resumed run keeps its own config.yaml; "
                 "change it with --set)"
             )
-        if not (run_dir / "config.yaml").is_file():
-            raise MappaError(f"--resume {run_dir}: not a run directory (config.yaml missing)")
-        cfg = load_config(run_dir / "config.yaml", overrides)  # --set may extend it (e.g. train.steps=20)
+        cfg = run_config(resume, "--resume", overrides)  # --set may extend it (e.g. train.steps=20)
     elif cfg is None:
         raise MappaError("mappa train: give a CONFIG file or --resume RUN_DIR")
     console = Console(stderr=True)
@@ -191,6 +221,12 @@ def train_command(cfg: Config | None, resume: str | None, overrides: list[str], 
         result = train(
             cfg, run_dir=resume, resume=resume is not None, emit=printer, progress=printer.progress, place=place
         )
+    except KeyboardInterrupt:
+        printer.stop_bar()
+        if printer.run_dir is not None:
+            command = resume_command(printer.run_dir, overrides, ray, resumed=resume is not None)
+            console.print(interrupted_line(printer.run_dir, command), markup=False, highlight=False, soft_wrap=True)
+        raise
     finally:
         printer.stop_bar()
     _report(console, result)
