@@ -88,7 +88,7 @@ def against(rev: str, rounds: int, runs: int, confinement: str) -> None:
         new, old = (statistics.median(seen[k][name]) for k in sides)
         print(
             f"warm pool, {name:12s}: this checkout {new * 1000:6.1f} ms, {rev} {old * 1000:6.1f} ms, "
-            f"ratio {new / old:.2f}x, +{(new - old) * 1000:.1f} ms per snippet (n={len(seen[rev][name])} each)"
+            f"ratio {new / old:.2f}x, {(new - old) * 1000:+.1f} ms per snippet (n={len(seen[rev][name])} each)"
         )
 
 
