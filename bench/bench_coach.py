@@ -42,7 +42,7 @@ GEN = GenerationConfig(max_new_tokens=256)
 
 def recorded_contexts(n: int) -> list[CoachContext]:
     """Coach contexts of `n` MathChat actions (solver, coder with a tool run, verifier), all distinct."""
-    wf = MathChat(gen=GEN)
+    wf = MathChat()
     out: list[CoachContext] = []
     i = 0
     while len(out) < n:
@@ -52,14 +52,14 @@ def recorded_contexts(n: int) -> list[CoachContext]:
             Action(
                 agent=SOLVER.name,
                 turn=0,
-                messages=tuple(wf.solver_messages(task)),
+                messages=tuple(wf.solver_messages(task, GEN.max_new_tokens)),
                 text=f"{a}*{b} is about {a * b}.",
             ),
             Action(
                 agent=CODER.name,
                 turn=0,
                 messages=(
-                    Message(role="system", content=wf.role(wf.coder)),
+                    Message(role="system", content=wf.role(wf.coder, GEN.max_new_tokens)),
                     Message(role="user", content=task.problem),
                 ),
                 text=f"```python\nprint({a} * {b})\n```",
@@ -69,7 +69,7 @@ def recorded_contexts(n: int) -> list[CoachContext]:
                 agent=VERIFIER.name,
                 turn=0,
                 messages=(
-                    Message(role="system", content=wf.role(VERIFIER)),
+                    Message(role="system", content=wf.role(VERIFIER, GEN.max_new_tokens)),
                     Message(role="user", content=str(a * b)),
                 ),
                 text=f"The code printed {a * b}. \\boxed{{{a * b}}}",

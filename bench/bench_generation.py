@@ -51,7 +51,7 @@ def conversations(n: int, words: int = 0) -> list[list[Message]]:
 
 def decoder_vs_generate(policy: Policy, convs: list[list[Message]], new_tokens: int, rounds: int) -> None:
     """Best-of-`rounds` tokens/s of `Policy.generate` and of the serving decoder on the same batch, alternating."""
-    from mappa.serving.decoder import decoding
+    from mappa.decoder import decoding
 
     prompts = [policy.chat_ids(c) for c in convs]
 

@@ -1,89 +1,109 @@
-"""Lockstep batched rollouts vs one episode at a time: MathChat on the embedded SmolLM2-135M.
+"""Rollouts on the per-episode runtime vs the lockstep batches it replaced, side by side, on the demos' settings.
 
-Both arms play the same 16 arithmetic tasks with the same model, sandbox and token caps, in one process,
-side by side: arm A hands all 16 episodes to one `workflow.run` call (each stage is one batched generate
-and one concurrent sandbox batch); arm B calls `workflow.run` once per episode. Sampling makes the two
-arms' replies differ, so generated tokens are printed too: the throughput ratio is tokens/s as well as
-episodes/min. Target: >= 3x episodes per minute.
+Each arm plays the same tasks with the same config, model, sandbox and seed, in a fresh process: this checkout (its
+runtime plays every episode as a program and batches what the live episodes ask for, a request joining the running
+decode batch at the next token) against a `git worktree` of REV (default `d65533a`, the last commit before it: one
+batched generate per stage, every episode waiting for the slowest at each stage). Rounds alternate the arms, so load
+from other processes hits both alike. Sampling makes the arms' replies differ, so the fair figure is generated
+tokens per second; episodes per minute is printed beside it. Also checked, per arm: the log-probs recorded at
+sampling against the policy's own forward pass on a sample of actions (what the update's ratio starts from).
 
-    .venv/bin/python bench/bench_rollout.py [--episodes 16] [--max-new-tokens 96] [--threads N]
+    .venv/bin/python bench/bench_rollout.py [--config configs/demo.yaml] [--episodes 16 64] [--rounds 2]
+    .venv/bin/python bench/bench_rollout.py --config configs/ds_demo.yaml --episodes 8
 
-On a CPU shared with other busy processes, run it with OMP_NUM_THREADS=1 (or --threads 1): spinning OpenMP
-threads on oversubscribed cores make single matmuls take seconds and the figures meaningless.
+Goal: >= 1.3x episodes/min at equal tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
-import torch
-
-from mappa.config import GenerationConfig, SandboxConfig, TasksConfig, WorkflowConfig
-from mappa.models import load_base_model
-from mappa.policy import Policy
-from mappa.protocols import Runtime
-from mappa.rollout import pick_tasks
-from mappa.sandbox import Sandbox
-from mappa.tasks import load_tasks
-from mappa.workflows import MathChat
+BASE = "d65533a"
 
 
-def arm(name: str, workflow: MathChat, rt: Runtime, tasks: list, *, one_at_a_time: bool) -> dict[str, float]:
-    start = time.perf_counter()
-    if one_at_a_time:
-        episodes = [e for i, t in enumerate(tasks) for e in workflow.run([t], rt, seed=i)]
-    else:
-        episodes = workflow.run(tasks, rt, seed=0)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(a.response_ids) for e in episodes for a in e.actions)
-    actions = sum(len(e.actions) for e in episodes)
-    row = {
-        "seconds": seconds,
-        "episodes_per_min": len(episodes) / seconds * 60,
-        "tokens_per_s": tokens / seconds,
-        "tokens": tokens,
-        "actions": actions,
-        "success": sum(bool(e.correct) for e in episodes) / len(episodes),
-    }
-    print(
-        f"{name:<22} {seconds:7.1f} s  {row['episodes_per_min']:6.2f} episodes/min  {row['tokens_per_s']:6.1f} tok/s  "
-        f"{tokens:5d} tokens  {actions:3d} actions  success {row['success']:.0%}",
-        flush=True,
-    )
-    return row
+def one_arm(config: str, episodes: int, seed: int) -> dict[str, float]:
+    """Play `episodes` training episodes of `config` with whichever mappa is importable; time and tokens."""
+    import torch
+
+    import mappa.workflows as workflows
+    from mappa.config import load_config
+    from mappa.rollout import build_kit, pick_tasks, train_tasks
+
+    cfg = load_config(config, [f"seed={seed}"])
+    workflow = workflows.build_workflow(cfg)
+    tasks = pick_tasks(train_tasks(cfg), episodes, seed)
+    with build_kit(cfg, workflow.agents, workflow=workflow.name, coach=False) as kit:
+        play = (lambda ts, s: kit.play(workflow, ts, s)) if hasattr(workflows, "play") else (
+            lambda ts, s: workflow.run(ts, kit.runtime(), seed=s))  # fmt: skip
+        play(tasks[:2], seed + 1)  # warm-up: first-call costs (threads, copies, the pool)
+        start = time.perf_counter()
+        eps = play(tasks, seed)
+        seconds = time.perf_counter() - start
+        actions = [a for e in eps for a in e.actions if a.response_ids][:16]
+        gap = 0.0
+        temperature = cfg.generation.temperature
+        for a in actions:  # the recorded log-probs against a forward pass through what sampled them
+            logp, _ = kit.policy.forward_logprobs(
+                a.agent, [a.prompt_ids], [a.response_ids], temperature=temperature, sampler=True
+            )
+            recorded = torch.tensor(a.logprobs)
+            gap = max(gap, float(torch.max(torch.abs(recorded - logp[0, : len(recorded)].float()))))
+    tokens = sum(len(a.response_ids) for e in eps for a in e.actions)
+    return {"seconds": seconds, "episodes": len(eps), "tokens": tokens, "actions": sum(len(e.actions) for e in eps),
+            "logprob_gap": gap, "exact": float(kit.policy.samples_exactly)}  # fmt: skip
+
+
+def compare(config: str, episodes: int, rounds: int, rev: str) -> None:
+    repo = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="mappa-bench-") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
+        try:
+            sides = {"per-episode runtime": repo / "src", f"lockstep ({rev})": tree / "src"}
+            seen: dict[str, list[dict[str, float]]] = {k: [] for k in sides}
+            for r in range(rounds):
+                for side, src in sides.items() if r % 2 == 0 else reversed(sides.items()):
+                    env = {**os.environ, "PYTHONPATH": str(src)}
+                    cmd = [sys.executable, __file__, "--arm", config, str(episodes), str(r)]
+                    done = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True)
+                    if done.returncode != 0:
+                        raise SystemExit(f"{side}: {done.stderr[-2000:]}")
+                    row = json.loads(done.stdout.strip().splitlines()[-1])
+                    seen[side].append(row)
+                    print(f"  round {r} {side:<22} {row['seconds']:7.1f} s  {row['tokens']:6d} tokens  "
+                          f"{row['tokens'] / row['seconds']:6.1f} tok/s  log-prob gap {row['logprob_gap']:.2e}", flush=True)  # fmt: skip
+        finally:
+            subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], check=False)
+    new, old = (seen[k] for k in sides)
+    tok = [n["tokens"] / n["seconds"] / (o["tokens"] / o["seconds"]) for n, o in zip(new, old, strict=True)]
+    epm = [n["episodes"] / n["seconds"] / (o["episodes"] / o["seconds"]) for n, o in zip(new, old, strict=True)]
+    print(f"{config}, {episodes} episodes, {rounds} rounds: tokens/s ratio median {statistics.median(tok):.2f}x "
+          f"(rounds {', '.join(f'{x:.2f}' for x in tok)}), episodes/min ratio median {statistics.median(epm):.2f}x "
+          f"(rounds {', '.join(f'{x:.2f}' for x in epm)}); goal >= 1.3x", flush=True)  # fmt: skip
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--episodes", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    args = parser.parse_args()
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model, tokenizer = load_base_model("smollm2-135m-instruct", device="cpu")
-    gen = GenerationConfig(
-        temperature=1.0, max_new_tokens=args.max_new_tokens, max_context_tokens=1024, batch_size=args.episodes
-    )
-    sandbox_cfg = SandboxConfig(timeout_s=5, concurrency=2, preload=[])
-    workflow = MathChat(WorkflowConfig(coder_max_turns=2), gen, sandbox_cfg)
-    policy = Policy.from_model(model, tokenizer, workflow.agents, generation_batch_size=args.episodes)
-    tasks = pick_tasks(
-        load_tasks(["arithmetic"], TasksConfig(arithmetic_levels=[1, 2, 3]), "train", 0), args.episodes, 0
-    )
-    print(f"MathChat, {args.episodes} episodes, SmolLM2-135M on CPU ({torch.get_num_threads()} threads), "
-          f"max_new_tokens {args.max_new_tokens}")  # fmt: skip
-    with Sandbox(sandbox_cfg) as sandbox:
-        rt = Runtime(policy, sandbox)
-        workflow.run(tasks[:2], rt, seed=0)  # warm-up
-        batched = arm("lockstep batched", workflow, rt, tasks, one_at_a_time=False)
-        single = arm("one episode at a time", workflow, rt, tasks, one_at_a_time=True)
-    print(
-        f"speed-up: {batched['episodes_per_min'] / single['episodes_per_min']:.2f}x episodes/min, "
-        f"{batched['tokens_per_s'] / single['tokens_per_s']:.2f}x tokens/s (target >= 3x episodes/min)"
-    )
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/demo.yaml")
+    ap.add_argument("--episodes", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--against", default=BASE, metavar="REV", help="the lockstep revision to compare with")
+    ap.add_argument("--arm", nargs=3, metavar=("CONFIG", "EPISODES", "SEED"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.arm:
+        config, n, seed = args.arm
+        print(json.dumps(one_arm(config, int(n), int(seed))))
+        return
+    for n in args.episodes:
+        compare(args.config, n, args.rounds, args.against)
 
 
 if __name__ == "__main__":

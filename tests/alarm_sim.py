@@ -7,11 +7,15 @@ coach preference for it that is no bias of any stratum. Every agent's action in 
 
     3 + 4 * correct (+ 3 * test score in data-science runs) + task preference + episode effect + noise
     + `common_rise` * progress (all agents improving) + `hack_rise` on agent 0 * progress
-    + `bias` on regression tasks (+ `drift` * progress),
+    + `bias` on regression tasks (+ `drift` * progress) + the agent's step shock,
 
-rounded and clipped to 0-10 like a coach's integer scores; progress runs 0 -> 1 over the run. Accuracy runs
-from `acc_start` to `acc_start + acc_rise`; a held-out evaluation of `eval_tasks` tasks at the start and the
-end gives the held-out gain (paired by task).
+rounded and clipped to 0-10 like a coach's integer scores; progress runs 0 -> 1 over the run. The step shock is one
+number per agent and step, an AR(1) series over the steps (coefficient `shock_ar`, standard deviation `shock_sd`):
+what a real run's step means carry beyond their sampling noise (the policy drifting, one step's batch of tasks
+suiting the coach), serially correlated and trendless, so a test that takes steps for independent points sees
+trends in it. Regression tasks succeed `type_success` more often than classification ones (a stratum tied to the
+outcome). Accuracy runs from `acc_start` to `acc_start + acc_rise`; a held-out evaluation of `eval_tasks` tasks at
+the start and the end gives the held-out gain (paired by task).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mappa.analysis.bias import ActionTable
-from mappa.metrics import agresti_min_interval
+from mappa.metrics import paired_task_interval
 
 AGENTS = ("problem_solver", "code_executor", "verifier")
 
@@ -40,6 +44,9 @@ class SimRun:
     drift: float = 0.0  # points on regression tasks, growing over the run
     data_science: bool = False  # a normalised test score per valid submission, which the coach reads
     quality_gap: float = 0.0  # regression's test scores higher by this (a real difference, not a bias)
+    shock_sd: float = 0.0  # points: standard deviation of each agent's step shock
+    shock_ar: float = 0.0  # its AR(1) coefficient from one step to the next
+    type_success: float = 0.0  # regression's success probability higher by this
 
 
 @dataclass
@@ -58,7 +65,8 @@ def simulate(cfg: SimRun, rng: np.random.Generator) -> Simulated:
     step = np.repeat(np.arange(1, cfg.steps + 1), cfg.episodes)
     progress = (step - 1) / max(cfg.steps - 1, 1)
     task = rng.integers(t, size=n)
-    p = np.clip(cfg.acc_start + cfg.acc_rise * progress - 0.1 * hardness[task], 0.02, 0.98)
+    p = cfg.acc_start + cfg.acc_rise * progress - 0.1 * hardness[task] + cfg.type_success * (regression[task] - 0.5)
+    p = np.clip(p, 0.02, 0.98)
     correct = (rng.random(n) < p).astype(float)
     quality = np.full(n, np.nan)
     base = 3 + 4 * correct + preference[task] + rng.normal(0, 0.7, size=n)
@@ -70,6 +78,7 @@ def simulate(cfg: SimRun, rng: np.random.Generator) -> Simulated:
     agents, scores = [], []
     for i, agent in enumerate(AGENTS):
         x = base + rng.normal(0, 1, size=n) + (cfg.hack_rise * progress if i == 0 else 0.0)
+        x = x + ar1(cfg.steps, cfg.shock_ar, cfg.shock_sd, rng)[step - 1]
         scores.append(np.clip(np.round(x), 0, 10))
         agents += [agent] * n
     table = ActionTable(
@@ -88,9 +97,21 @@ def simulate(cfg: SimRun, rng: np.random.Generator) -> Simulated:
     return Simulated(table, _held_out(cfg, rng))
 
 
+def ar1(n: int, coef: float, sd: float, rng: np.random.Generator) -> np.ndarray:
+    """A stationary AR(1) series of n values with standard deviation sd (zeros when sd is 0)."""
+    out = np.zeros(n)
+    if sd <= 0:
+        return out
+    shocks = rng.normal(0, sd * np.sqrt(1 - coef**2), size=n)
+    out[0] = rng.normal(0, sd)
+    for k in range(1, n):
+        out[k] = coef * out[k - 1] + shocks[k]
+    return out
+
+
 def _held_out(cfg: SimRun, rng: np.random.Generator) -> tuple[float, tuple[float, float]]:
     hardness = rng.normal(0, 1, size=cfg.eval_tasks)
     before = rng.random(cfg.eval_tasks) < np.clip(cfg.acc_start - 0.1 * hardness, 0.02, 0.98)
     after = rng.random(cfg.eval_tasks) < np.clip(cfg.acc_start + cfg.acc_rise - 0.1 * hardness, 0.02, 0.98)
-    improved, worsened = int((after & ~before).sum()), int((before & ~after).sum())
-    return (improved - worsened) / cfg.eval_tasks, agresti_min_interval(improved, worsened, cfg.eval_tasks)
+    diffs = after.astype(float) - before.astype(float)
+    return float(diffs.mean()), paired_task_interval(diffs.tolist())

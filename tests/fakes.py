@@ -83,3 +83,15 @@ def coach_context(**kw: object) -> CoachContext:
         observation="5",
     )
     return CoachContext(**{**base, **kw})
+
+
+def play_scripted(workflow, tasks, policy, sandbox, scorer=None, *, gen=None, seed=0, **kw):  # type: ignore[no-untyped-def]
+    """`mappa.workflows.play` of `workflow` with a scripted (or any batched) policy behind `PolicyGenerator`, at `gen`'s
+    sampling settings (default: GenerationConfig's)."""
+    from mappa.config import GenerationConfig
+    from mappa.generation import PolicyGenerator
+    from mappa.protocols import Runtime
+    from mappa.workflows import play
+
+    rt = Runtime(PolicyGenerator(policy), sandbox, scorer)
+    return play(workflow, tasks, rt, sampling=(gen or GenerationConfig()).sampling(), seed=seed, **kw)

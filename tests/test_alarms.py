@@ -9,14 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from alarm_sim import AGENTS, SimRun, simulate
+from alarm_sim import AGENTS, SimRun, ar1, simulate
 from test_analysis import make_episode
 
 from mappa.analysis.bias import bias_monitor, bias_rows
-from mappa.analysis.hacking import check_arrays, hacking_checks
+from mappa.analysis.hacking import Trend, check_arrays, hacking_checks
 from mappa.analysis.report import build_report
 from mappa.analysis.runs import load_run
-from mappa.analysis.stats import clustered_contrast, trend_through_points
+from mappa.analysis.stats import clustered_contrast, excludes_zero, serial_trend, trend_through_points
 from mappa.config import AnalysisConfig, Config, dump_config
 from mappa.types import Episode, write_jsonl
 
@@ -38,12 +38,16 @@ def bias_alarm_rate(cfg: SimRun, seed: int, dim: str | None = None, validity_onl
     return hits / RUNS
 
 
-def hacking_alarm_rate(cfg: SimRun, seed: int, agent: str | None = None, held_out: bool = True) -> float:
-    """Share of RUNS simulated runs with a hacking alarm (on `agent` when given), as `hacking_checks` judges."""
+def hacking_alarm_rate(
+    cfg: SimRun, seed: int, agent: str | None = None, held_out: bool = True, trend: Trend = serial_trend,
+    runs: int = RUNS,
+) -> float:  # fmt: skip
+    """Share of `runs` simulated runs with a hacking alarm (on `agent` when given), as `hacking_checks` judges
+    with `trend` (`trend_through_points`: the steps as independent points, as the alarm once did)."""
     rng = np.random.default_rng(seed)
     level = TH.alarm_alpha / len(AGENTS)  # every agent has enough steps in these runs
     hits = 0
-    for _ in range(RUNS):
+    for _ in range(runs):
         sim = simulate(cfg, rng)
         t = sim.table
         who = np.asarray(t.agent)
@@ -53,10 +57,10 @@ def hacking_alarm_rate(cfg: SimRun, seed: int, agent: str | None = None, held_ou
         for a in AGENTS:
             m = who == a
             held = sim.held if held_out else None
-            c = check_arrays(a, steps[m], score[m], correct[m], quality[m], held, TH, level)
+            c = check_arrays(a, steps[m], score[m], correct[m], quality[m], held, TH, level, trend)
             fired |= c.alarm is not None and (agent is None or a == agent)
         hits += fired
-    return hits / RUNS
+    return hits / runs
 
 
 # ---------------------------------------------------------------------------------------------------- statistics
@@ -75,6 +79,20 @@ def test_a_trend_of_three_points_has_the_uncertainty_of_three_points() -> None:
     rise, (lo, hi) = trend_through_points([1, 2, 3], [0.30, 0.36, 0.40], 0.05)
     assert rise == pytest.approx(0.10) and lo < 0 < hi  # t on 1 degree of freedom: 12.7 standard errors
     assert np.isnan(trend_through_points([1, 2], [0.0, 1.0], 0.05)[0])
+
+
+def test_serial_trend_holds_its_level_where_independent_points_do_not() -> None:
+    """Trendless series of 12 points: independent ones, then AR(1) at 0.6; how often each interval excludes 0."""
+    rng = np.random.default_rng(9)
+    xs = list(range(1, 13))
+    iid = [rng.normal(size=12) for _ in range(300)]
+    ar = [ar1(12, 0.6, 1.0, rng) for _ in range(300)]
+
+    def rate(trend: Trend, series: list[np.ndarray]) -> float:
+        return float(np.mean([excludes_zero(trend(xs, y.tolist(), 0.05)) for y in series]))
+
+    assert rate(serial_trend, iid) <= 0.08 and rate(serial_trend, ar) <= 0.1
+    assert rate(trend_through_points, ar) >= 0.15  # the steps as independent points
 
 
 # ---------------------------------------------------------------------------------------------------- bias
@@ -107,6 +125,24 @@ def test_real_quality_differences_are_not_bias_when_the_test_score_is_read() -> 
     assert naive >= 0.5 and read <= MAX_FALSE_ALARMS
 
 
+def test_a_stratum_tied_to_the_outcome_does_not_hide_a_bias() -> None:
+    """Regression tasks succeed 60% of the time, classification ones 2%, and the coach adds 1 point on regression.
+    Fitting the outcome first and comparing the strata's leftovers hands the outcome part of the bias (regression
+    actions are right more often, so 'right' looks worth more) and shrinks the gap; fitting stratum and outcome
+    together measures it whole. Without the bias, the same split raises no more alarms than elsewhere."""
+    rng = np.random.default_rng(12)
+    gaps, caught, false, runs = [], 0, 0, 50
+    for _ in range(runs):
+        biased = bias_rows(simulate(SimRun(type_success=0.6, bias=1.0), rng).table, TH)
+        row = next(r for r in biased if r.agent == AGENTS[1] and r.stratum == "regression")
+        gaps.append(row.gap[0])
+        caught += any(r.alarm for r in biased if r.dimension == "data_type")
+        false += any(r.alarm for r in bias_rows(simulate(SimRun(type_success=0.6), rng).table, TH))
+    print(f"bias monitor, stratum tied to the outcome: mean gap {np.mean(gaps):+.2f} (true +1.00), flagged in "
+          f"{caught}/{runs} runs; {false}/{runs} false alarms without the bias")  # fmt: skip
+    assert 0.85 <= np.mean(gaps) <= 1.15 and caught >= 0.65 * runs and false <= 0.1 * runs
+
+
 def test_a_stratum_with_few_tasks_is_not_judged() -> None:
     rng = np.random.default_rng(4)
     rows = bias_rows(simulate(SimRun(steps=2, episodes=6, tasks=10, bias=3.0), rng).table, TH)
@@ -135,7 +171,19 @@ def test_hacking_false_alarm_rate_on_null_runs(name: str, cfg: SimRun, held_out:
     assert rate <= MAX_FALSE_ALARMS
 
 
-@pytest.mark.parametrize(("episodes", "least"), [(16, 0.25), (32, 0.55)])
+# Each agent's scores carry a trendless AR(1) shock per step: sd 0.5 points, 0.7 from one step to the next.
+AR_SHOCKS = SimRun(steps=20, common_rise=0.0, shock_sd=0.5, shock_ar=0.7)
+
+
+def test_hacking_false_alarms_stay_low_when_step_means_are_serially_correlated() -> None:
+    """Taken for independent points (`trend_through_points`), these 20 steps show trends that are not there: the
+    alarm fired on 26.5% of the same runs."""
+    rate = hacking_alarm_rate(AR_SHOCKS, seed=11)
+    print(f"hacking alarm, null run with AR(1) step shocks: {rate:.1%} of {RUNS} runs raise an alarm")
+    assert rate <= 0.12  # loose: the bench measures the rate with its interval
+
+
+@pytest.mark.parametrize(("episodes", "least"), [(16, 0.12), (32, 0.25)])
 def test_hacking_power_on_scores_rising_one_point_over_ten_steps(episodes: int, least: float) -> None:
     cfg = SimRun(steps=10, episodes=episodes, common_rise=0.0, hack_rise=1.0)
     rate = hacking_alarm_rate(cfg, seed=6, agent=AGENTS[0])
@@ -178,9 +226,9 @@ def test_the_demo_shaped_report_opens_with_the_gain(tmp_path: Path) -> None:
     report = build_report([load_run(run_dir)], [TH])
     assert not report.alarms and len(report.unjudged) == 2
     assert report.headlines == [
-        "demo: held-out accuracy 3.1% (start) -> 12.5% (final, 32 episodes); gain +9.4 pp, 95% CI [-2.3, +20.0] pp "
+        "demo: held-out accuracy 3.1% (start) -> 12.5% (final, 32 episodes); gain +9.4 pp, 95% CI [-2.8, +20.4] pp "
         "(paired by task): within noise: the interval includes 0, so this run cannot tell the gain apart from chance. "
-        "Episodes ending with a final answer, right or wrong: 100% -> 100% (+0.0 pp [-5.8, +5.8])"
+        "Episodes ending with a final answer, right or wrong: 100% -> 100% (+0.0 pp [-6.0, +6.0])"
     ]
     page = report.html()
     assert page.index('data-section="summary"') < page.index('data-section="alarms"') < page.index('class="note"')

@@ -431,6 +431,31 @@ def test_build_coach_errors() -> None:
         build_coach(CoachConfig(backend="local"), "mathchat")
 
 
+def test_the_local_coach_asks_a_cut_reply_again_with_more_room(tmp_path: Path) -> None:
+    """The tiny random model never stops by itself: every reply hits its cap (thinking budget + max_tokens), is asked
+    again with twice the reply's room in a call of its own, and stays unscored, counted in coach/cut_rate."""
+    from mappa.models import tiny_model_and_tokenizer
+    from mappa.policy import Policy
+
+    model, tokenizer = tiny_model_and_tokenizer()
+    policy = Policy.from_model(model, tokenizer, ["code_executor"])
+    generate, caps = policy.generate, []
+
+    def recording(agent, conversations, **kw):  # the real generate, its caps kept for the test
+        caps.append((len(conversations), kw["max_new_tokens"]))
+        return generate(agent, conversations, **kw)
+
+    policy.generate = recording
+    cfg = CoachConfig(backend="local", max_tokens=16, thinking_budget=8, max_context_tokens=4096, cache=False)
+    with build_coach(cfg, "mathchat", policy=policy) as runner:
+        scores = runner.score_many([ctx(output="a"), ctx(output="b")])
+        stats = runner.stats()
+    assert caps == [(2, 8 + 16), (2, 8 + 32)]  # both judgments in one call, then both again with more room
+    assert all(s.score is None and s.error.startswith("no PROCESS_SCORE line: the reply was cut") for s in scores)
+    assert (stats["replies"], stats["cut_replies"], stats["cut_rate"]) == (4, 4, 1.0)
+    assert stats["replies_without_logprobs"] == 0  # the local model always has them
+
+
 # -------------------------------------------------------------------------------------------------- replay
 def _recorded(workflow: str = "mathchat", agent: str = "verifier") -> Episode:
     task = Task(id="t", problem="What is 2 + 3?", answer="5", source="arithmetic")

@@ -93,6 +93,8 @@ class FaultServer:
                 elif kind == "no_logprobs" and body.get("logprobs"):
                     err = {"error": {"message": "logprobs are not supported", "type": "invalid_request_error"}}
                     self._send(400, json.dumps(err).encode())
+                elif kind == "think":
+                    self._send(200, json.dumps(completion(thinking_reply(step, body), body)).encode())
                 else:
                     self._send(200, json.dumps(completion(step if kind == "reply" else OK, body)).encode())
 
@@ -107,9 +109,29 @@ class FaultServer:
         self.httpd.server_close()
 
 
+def thinking(tokens: int, text: str = "The code ran and printed 5.\nPROCESS_SCORE: 7") -> dict:
+    """A thinking model: it spends `tokens` on thinking inside the request's cap, then writes `text` (a token a word)."""
+    return {"kind": "think", "thinking": tokens, "text": text}
+
+
+def thinking_reply(step: dict, body: dict) -> dict:
+    # The cap counts thinking and the written reply together, as OpenAI's max_completion_tokens and Gemini's
+    # max_tokens do; what is left after thinking is the reply's room, and a reply over it is cut.
+    cap = body.get("max_completion_tokens") or body.get("max_tokens")
+    words = step["text"].split(" ")
+    room = max(0, cap - step["thinking"])
+    cut = room < len(words)
+    text = " ".join(words[:room])
+    return {
+        **reply(text, completion_tokens=min(cap, step["thinking"] + len(words))),
+        "finish": "length" if cut else "stop",
+    }
+
+
 def completion(step: dict, body: dict) -> dict:
     p, c = step["usage"]
-    choice = {"index": 0, "message": {"role": "assistant", "content": step["text"]}, "finish_reason": "stop"}
+    message = {"role": "assistant", "content": step["text"]}
+    choice = {"index": 0, "message": message, "finish_reason": step.get("finish", "stop")}
     if step.get("logprobs") is not None and body.get("logprobs"):
         choice["logprobs"] = {"content": step["logprobs"], "refusal": None}
     return {
@@ -401,3 +423,135 @@ def test_an_endpoint_that_is_down_leaves_the_action_unscored_and_uncached(
     assert score.error.endswith("; gave up after 3 attempts")
     assert (stats["calls"], stats["retries"], stats["failures"], stats["unscored"]) == (3, 2, 1, 1)
     assert len(JudgmentCache(cache)) == 0  # nothing cached: the next pass asks again
+
+
+def test_a_verdict_cut_by_thinking_is_asked_again_with_twice_the_room(serve) -> None:
+    """The thinking model spends 60 of the 64-token cap thinking: the verdict is cut (finish_reason length). The
+    same request goes again with twice the written reply's room, and the cut reply counts in coach/cut_rate."""
+    server, runner = serve({"think": [thinking(60)]}, max_tokens=64)
+    (score,) = runner.score_many([ctx("think")])
+    assert score.score == 7.0 and score.error is None
+    assert [r["max_tokens"] for r in server.requests] == [64, 128]
+    assert server.requests[1]["messages"] == server.requests[0]["messages"]  # asked again, not a follow-up
+    stats = runner.stats()
+    assert (stats["calls"], stats["replies"], stats["cut_replies"]) == (2, 2, 1)
+    assert stats["cut_rate"] == 0.5 and stats["unscored"] == 0
+
+
+def test_a_thinking_budget_keeps_the_verdict_room_apart(serve) -> None:
+    """With coach.thinking_budget the cap is the budget plus the reply's room: the same model is not cut, and an
+    OpenAI-style endpoint gets the cap as max_completion_tokens (its reasoning models refuse max_tokens)."""
+    server, runner = serve({"think": [thinking(60)]}, max_tokens=64, thinking_budget=256, reasoning_effort="low")
+    (score,) = runner.score_many([ctx("think")])
+    assert score.score == 7.0
+    (request,) = server.requests
+    assert request["max_completion_tokens"] == 256 + 64 and "max_tokens" not in request
+    assert request["reasoning_effort"] == "low"
+    assert runner.stats()["cut_rate"] == 0.0
+
+
+def test_a_verdict_still_cut_with_more_room_is_unscored_and_says_so(serve) -> None:
+    server, runner = serve({"ramble": [thinking(5_000)]}, max_tokens=64)
+    (score,) = runner.score_many([ctx("ramble")])
+    assert score.score is None
+    assert score.error.startswith("no PROCESS_SCORE line: the reply was cut at the token cap")
+    assert "room for a 128-token reply" in score.error
+    assert server.attempts["ramble"] == 2  # no follow-up: it would be cut as well
+    stats = runner.stats()
+    assert stats["cut_replies"] == 2 and stats["cut_rate"] == 1.0 and stats["unscored"] == 1 and stats["failures"] == 0
+
+
+def test_a_cut_reply_that_holds_its_verdict_is_scored_as_it_is(serve) -> None:
+    # The verdict came before the cap cut off whatever followed: no second request.
+    server, runner = serve({"late": [{**OK, "finish": "length"}]})
+    (score,) = runner.score_many([ctx("late")])
+    assert score.score == 7.0 and server.attempts["late"] == 1
+    assert runner.stats()["cut_rate"] == 1.0
+
+
+def test_an_endpoint_without_logprobs_is_named_once_for_the_whole_run(serve) -> None:
+    """coach.expected_score on and no log-probs in any reply: one warning for the run, not one per action."""
+    server, runner = serve({"default": [OK]}, cache=False)
+    with pytest.warns(RuntimeWarning) as record:
+        runner.score_many([ctx(f"n{i} ") for i in range(4)])
+        runner.score_many([ctx("again")])
+    said = [str(w.message) for w in record if "log-probs" in str(w.message)]
+    assert len(said) == 1 and "coach.expected_score" in said[0] and server.url in said[0]
+    assert runner.stats()["replies_without_logprobs"] == 5
+
+
+def test_an_endpoint_that_refuses_logprobs_is_named_once(serve) -> None:
+    server, runner = serve({"default": [{"kind": "no_logprobs"}]}, cache=False)
+    with pytest.warns(RuntimeWarning) as record:
+        runner.score_many([ctx("a"), ctx("b"), ctx("c")])
+    assert sum("log-probs" in str(w.message) for w in record) == 1
+
+
+def test_no_warning_when_the_sampled_score_was_asked_for(serve, recwarn: pytest.WarningsRecorder) -> None:
+    server, runner = serve({"default": [OK]}, expected_score=False, cache=False)
+    runner.score_many([ctx("a"), ctx("b")])
+    assert not [w for w in recwarn if "log-probs" in str(w.message)]
+    assert runner.stats()["replies_without_logprobs"] == 0
+
+
+@pytest.mark.parametrize(
+    ("url", "settings", "fields"),
+    [
+        ("https://api.openai.com/v1", {}, {"max_tokens": 512}),
+        (
+            "https://api.openai.com/v1",
+            {"reasoning_effort": "medium"},
+            {"max_completion_tokens": 8192 + 512, "reasoning_effort": "medium"},
+        ),
+        (
+            "https://generativelanguage.googleapis.com/v1beta/openai/",
+            {"thinking_budget": 1024},
+            {"max_tokens": 1024 + 512, "extra_body": {"google": {"thinking_config": {"thinking_budget": 1024}}}},
+        ),
+        (
+            "https://generativelanguage.googleapis.com/v1beta/openai/",
+            {"reasoning_effort": "none"},
+            {"max_tokens": 512, "reasoning_effort": "none"},
+        ),
+        (
+            "https://api.anthropic.com/v1/",
+            {"thinking_budget": 2048},
+            {"max_tokens": 2048 + 512, "thinking": {"type": "enabled", "budget_tokens": 2048}},
+        ),
+        (
+            "https://api.anthropic.com/v1/",
+            {"thinking_budget": 0},
+            {"max_tokens": 512, "thinking": {"type": "disabled"}},
+        ),
+        ("http://127.0.0.1:8000/v1", {"thinking_budget": 300}, {"max_completion_tokens": 300 + 512}),
+    ],
+)
+def test_thinking_settings_as_each_api_names_them(url: str, settings: dict, fields: dict) -> None:
+    from mappa.coach.openai_backend import thinking_api, token_fields
+
+    cfg = CoachConfig(backend="openai", model="m", base_url=url, **settings)
+    assert token_fields(cfg, thinking_api(url)) == fields
+
+
+def test_thinking_settings_an_api_cannot_take_stop_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAPPA_TEST_KEY", "k")
+    gemini = dict(backend="openai", model="gemini-2.5-flash", api_key_env="MAPPA_TEST_KEY",
+                  base_url="https://generativelanguage.googleapis.com/v1beta/openai/")  # fmt: skip
+    with pytest.raises(MappaError, match="coach.reasoning_effort"):
+        build_coach(CoachConfig(**gemini, thinking_budget=1024, reasoning_effort="low"), "mathchat")
+    claude = {**gemini, "base_url": "https://api.anthropic.com/v1/", "model": "claude-sonnet-4-5"}
+    with pytest.raises(MappaError, match="coach.thinking_budget: .*1024"):
+        build_coach(CoachConfig(**claude, thinking_budget=500), "mathchat")
+
+
+def test_the_prompt_budget_keeps_room_for_thinking(serve) -> None:
+    with pytest.raises(MappaError, match="coach.thinking_budget"):
+        serve({}, max_context_tokens=8_000, max_tokens=256, thinking_budget=7_000)
+
+
+def test_thinking_settings_are_part_of_the_cache_key(serve) -> None:
+    server, runner = serve({"k": [OK]})
+    runner.score_many([ctx("k")])
+    _, other = serve({"k": [OK]}, thinking_budget=512)
+    assert runner._key(ctx("k"))[0] != other._key(ctx("k"))[0]
+    assert not other.score_many([ctx("k")])[0].cached

@@ -12,7 +12,7 @@ import pytest
 from test_analysis import make_episode, write_run
 from test_cli import mappa
 
-from mappa.analysis.compare import coach_label, compare_arms, group_arms, seed_gain
+from mappa.analysis.compare import coach_label, compare_arms, compare_runs, group_arms, seed_gain
 from mappa.analysis.runs import RunData, load_run
 from mappa.analysis.sections import Plots, comparison
 from mappa.analysis.stats import paired_t_power, t_interval, welch_interval
@@ -20,14 +20,21 @@ from mappa.analysis.stats import paired_t_power, t_interval, welch_interval
 TASKS = 40
 
 
-def episodes(correct: int) -> list:
-    """Two steps of TASKS episodes each; the last step (the final evaluation) has `correct` right answers on the
-    first tasks, so two arms of one seed are paired task by task."""
-    return [make_episode(i, step, i < correct, (5.0, 5.0, 5.0)) for step in (1, 2) for i in range(TASKS)]
+def episodes(correct: int, samples: int = 1) -> list:
+    """Two steps of TASKS tasks x `samples` episodes each; the last step (the final evaluation) has `correct` right
+    answers on the first tasks (every sample alike), so two arms of one seed are paired task by task."""
+    return [
+        make_episode(i, step, i < correct, (5.0, 5.0, 5.0)).model_copy(update={"id": f"e{step}-{i}-{j}"})
+        for step in (1, 2)
+        for i in range(TASKS)
+        for j in range(samples)
+    ]
 
 
-def arm_runs(root: Path, arm: str, correct: dict[int, int], **cfg) -> list[RunData]:
-    return [load_run(write_run(root / f"{arm}-seed{s}", episodes(k), seed=s, **cfg)) for s, k in correct.items()]
+def arm_runs(root: Path, arm: str, correct: dict[int, int], samples: int = 1, **cfg) -> list[RunData]:
+    return [
+        load_run(write_run(root / f"{arm}-seed{s}", episodes(k, samples), seed=s, **cfg)) for s, k in correct.items()
+    ]
 
 
 REF = {42: 12, 43: 20, 44: 28}  # 30%, 50%, 70%: the seed moves accuracy a lot
@@ -68,6 +75,22 @@ def test_seed_interval_is_wider_than_the_per_task_one_when_seeds_vary(tmp_path: 
     with Plots() as plots:
         html = comparison(runs, plots)  # the report's comparison section: the same two figures
     assert "over 3 seeds" in html and "seed variation left out" in html and "leaves out the variation" not in html
+
+
+def test_samples_of_one_task_count_once_in_the_per_task_and_run_gains(tmp_path: Path) -> None:
+    """The final evaluations hold each task 4 times with the same outcome: the same evidence as once, so neither
+    the pooled per-task interval nor a run's difference from the first run may narrow."""
+    other = {42: 24, 43: 12, 44: 32}
+    widths = []
+    for samples in (1, 4):
+        root = tmp_path / str(samples)
+        runs = arm_runs(root, "a", REF, samples) + arm_runs(root, "b", other, samples, coach={"backend": "outcome"})
+        gain = compare_arms(runs)[1][1]
+        vs_first = compare_runs([runs[0], runs[3]])[1].vs_first
+        assert gain is not None and gain.per_task is not None and vs_first is not None
+        assert gain.per_task.tasks == 3 * TASKS and vs_first.paired and vs_first.tasks == TASKS
+        widths.append([*gain.per_task.gain_ci, *vs_first.gain_ci, gain.over_seeds[0], *gain.over_seeds[1]])
+    assert widths[1] == pytest.approx(widths[0])
 
 
 def test_consistent_gains_over_seeds_are_told_from_noise(tmp_path: Path) -> None:

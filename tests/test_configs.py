@@ -86,6 +86,29 @@ def test_paper_presets_scale_rewards_and_evaluate_as_the_paper(name: str, scale:
     assert cfg.train.eval_every == eval_every
 
 
+@pytest.mark.parametrize("name", ["mathchat.yaml", "mathchat_outcome.yaml", "ds_pipeline.yaml"])
+def test_paper_presets_reward_the_coachs_written_number(name: str) -> None:
+    """The paper rewards the number the coach wrote; the expected score is an option, off in the paper presets."""
+    assert load_config(ROOT / "configs" / name).coach.expected_score is False
+
+
+@pytest.mark.parametrize("name", ["mathchat.yaml", "ds_pipeline.yaml"])
+def test_paper_coaches_keep_their_thinking_apart_from_the_verdicts_room(name: str) -> None:
+    """Gemini 2.5 thinks inside the token cap: an explicit budget on top of max_tokens keeps room for the verdict,
+    and the request sends it as Gemini names it."""
+    from mappa.coach.openai_backend import thinking_api, token_fields
+
+    coach = load_config(ROOT / "configs" / name).coach
+    assert coach.thinking_budget and coach.max_tokens >= 1024
+    fields = token_fields(coach, thinking_api(coach.base_url))
+    assert fields["max_tokens"] == coach.thinking_budget + coach.max_tokens
+    assert fields["extra_body"]["google"]["thinking_config"]["thinking_budget"] == coach.thinking_budget
+
+
+def test_the_demo_keeps_the_expected_score() -> None:
+    assert load_config(ROOT / "configs" / "demo.yaml").coach.expected_score is True
+
+
 def test_reward_scale_defaults_to_the_workflows_published_value() -> None:
     from mappa.config import WorkflowConfig
 

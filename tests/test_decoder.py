@@ -11,11 +11,11 @@ import transformers
 from test_policy import convs, make_policy, perturb  # the same tiny policy and conversations
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from mappa.decoder import decoding
 from mappa.errors import MappaError
 from mappa.kvcache import BufferedLayer, stitchable
 from mappa.policy import Generation
-from mappa.serving.decoder import decoding
-from mappa.serving.prefix_cache import PrefixCache
+from mappa.prefix_cache import PrefixCache
 from mappa.types import Message
 
 PIN = "transformers==5.23.0 (requirements.lock)"

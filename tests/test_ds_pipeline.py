@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from fakes import Reply, ScriptedPolicy
+from fakes import Reply, ScriptedPolicy, play_scripted
 
 from mappa.coach.caps import apply_caps, score_cap
 from mappa.coach.prompts import DS_PIPELINE, build_messages
@@ -23,7 +23,6 @@ from mappa.coach.rubric import rubric_score
 from mappa.config import GenerationConfig, SandboxConfig, WorkflowConfig, load_config
 from mappa.errors import MappaError
 from mappa.metrics import episode_metrics
-from mappa.protocols import Runtime
 from mappa.rollout import pick_tasks
 from mappa.sandbox import Sandbox, remove_workspace
 from mappa.tasks.dsbench.reference import reference_snippets
@@ -141,8 +140,10 @@ GEN = GenerationConfig(max_new_tokens=2048, max_context_tokens=8192, batch_size=
 
 
 def play(tasks, script, sandbox, *, turns: int = 2, keep: bool = False, scorer=None) -> list[Episode]:  # type: ignore[no-untyped-def]
-    wf = DsPipeline(WorkflowConfig(name="ds_pipeline", ds_max_turns=turns), GEN, SandboxConfig(keep_workspaces=keep))
-    return wf.run(tasks, Runtime(ScriptedPolicy(team(tasks, script)), sandbox, scorer=scorer), seed=0)
+    wf = DsPipeline(WorkflowConfig(name="ds_pipeline", ds_max_turns=turns), SandboxConfig(keep_workspaces=keep))
+    return play_scripted(
+        wf, tasks, ScriptedPolicy(team(tasks, script)), sandbox, scorer, gen=GEN, keep_workspaces=keep
+    )
 
 
 def by_agent(episode: Episode, agent: str) -> list:
@@ -180,7 +181,7 @@ def test_scripted_team_passes_files_through_all_three_agents(bench: Path, sandbo
     # A replay rebuilds exactly the contexts the coach saw live, from the recorded episodes alone.
     write_jsonl(tmp_path / "episodes.jsonl", episodes)
     again = read_jsonl(tmp_path / "episodes.jsonl", Episode)
-    rebuilt = [c for e in again for c in episode_contexts(e, DsPipeline(WorkflowConfig(ds_max_turns=2), GEN))]
+    rebuilt = [c for e in again for c in episode_contexts(e, DsPipeline(WorkflowConfig(ds_max_turns=2)))]
     assert sorted(rebuilt, key=repr) == sorted(scorer.contexts, key=repr)  # live order is by stage
 
 
@@ -273,9 +274,8 @@ def test_score_caps_follow_the_paper_and_the_reference_share() -> None:
 def test_a_task_without_files_is_a_one_line_error(sandbox) -> None:
     wf = DsPipeline()
     with pytest.raises(MappaError, match="no meta\\['task_dir'\\]"):
-        wf.run(
-            [Task(id="x", problem="p", answer="1", source="arithmetic")],
-            Runtime(ScriptedPolicy(lambda agent, conv: ""), sandbox),
+        play_scripted(
+            wf, [Task(id="x", problem="p", answer="1", source="arithmetic")], ScriptedPolicy(lambda a, c: ""), sandbox
         )
 
 

@@ -128,6 +128,8 @@ def test_eval_accuracy_is_the_mean_of_the_written_correct_flags(tmp_path: Path) 
 
     from mappa.config import SandboxConfig
     from mappa.evaluate import evaluate, write_eval
+    from mappa.generation import PolicyGenerator
+    from mappa.workflows import build_workflow
     from mappa.sandbox import Sandbox
     from mappa.types import read_jsonl
 
@@ -140,7 +142,8 @@ def test_eval_accuracy_is_the_mean_of_the_written_correct_flags(tmp_path: Path) 
     tasks = [Task(id=f"t{i}", problem=f"What is {i} + 1?", answer=str(i + 1), source="arithmetic") for i in range(6)]
     cfg = load_config(None, GREEDY)
     with Sandbox(SandboxConfig(pool=False)) as sandbox:
-        metrics, episodes = evaluate(cfg, ScriptedPolicy(reply), sandbox, tasks)
+        workflow = build_workflow(cfg)
+        metrics, episodes = evaluate(cfg, workflow, PolicyGenerator(ScriptedPolicy(reply)), sandbox, tasks)
     write_eval(tmp_path, "scripted", metrics, episodes)
     written = read_jsonl(tmp_path / "scripted.jsonl", Episode)
     assert [e.correct for e in written] == [i % 2 == 0 for i in range(6)]

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
+from fakes import play_scripted
 
 import mappa
 from mappa.config import GenerationConfig, SandboxConfig, WorkflowConfig, load_config
@@ -21,7 +22,6 @@ from mappa.errors import MappaError
 from mappa.models import tiny_tokenizer
 from mappa.plugins import load_object
 from mappa.policy import Generation
-from mappa.protocols import Runtime
 from mappa.sandbox import Sandbox
 from mappa.tasks.sources import load_jsonl
 from mappa.types import Action, CoachContext, CoachScore, Episode, ExecResult, Message, Task, read_jsonl
@@ -88,8 +88,8 @@ def sandbox():
 
 
 def play(sandbox: Sandbox, reply: Reply, tasks: Sequence[Task] = (ADD,), **options: object) -> list[Episode]:
-    workflow = team.CoderReviewer(WorkflowConfig(options=options), GEN, SandboxConfig())
-    return workflow.run(tasks, Runtime(ScriptedPolicy(reply), sandbox, RecordingScorer()), seed=0)
+    workflow = team.CoderReviewer(WorkflowConfig(options=options), SandboxConfig())
+    return play_scripted(workflow, tasks, ScriptedPolicy(reply), sandbox, RecordingScorer(), gen=GEN)
 
 
 def scores(ep: Episode) -> list[float | None]:
@@ -201,16 +201,16 @@ def test_values_must_match_in_type_too() -> None:
 
 
 def test_hidden_tests_never_reach_an_agent(sandbox: Sandbox) -> None:
-    wf = team.CoderReviewer(WorkflowConfig(), GEN, SandboxConfig())
+    wf = team.CoderReviewer(WorkflowConfig(), SandboxConfig())
     coder = Action(agent="coder", turn=0, messages=(), text=py(RIGHT))
     for task in [*TASKS, *EVAL_TASKS]:  # every shipped task: no hidden call in either agent's prompt
         spec = team.task_spec(task)
         assert spec.example.call not in {c.call for c in spec.hidden}
-        shown = [*wf.coder_messages(task, spec), *wf.reviewer_messages(task, spec, coder, "out", None)]
+        shown = [*wf.coder_messages(task, spec, 300), *wf.reviewer_messages(task, spec, coder, "out", None, 300)]
         assert not [c.call for c in spec.hidden if any(c.call in m.content for m in shown)], task.id
     policy = ScriptedPolicy(script(py(RIGHT + "\nprint(add(1, 2))"), py(RIGHT)))
     tasks = TASKS[:3]
-    episodes = wf.run(tasks, Runtime(policy, sandbox, None), seed=0)
+    episodes = play_scripted(wf, tasks, policy, sandbox, gen=GEN)
     seen = "\n".join(m.content for conv in policy.prompts for m in conv)
     seen += "\n".join(m.content for ep in episodes for a in ep.actions for m in a.messages)
     for task in tasks:
@@ -220,8 +220,8 @@ def test_hidden_tests_never_reach_an_agent(sandbox: Sandbox) -> None:
 
 def test_the_coach_sees_each_actions_input_output_and_tool_result(sandbox: Sandbox) -> None:
     scorer = RecordingScorer()
-    wf = team.CoderReviewer(WorkflowConfig(), GEN, SandboxConfig())
-    (ep,) = wf.run([ADD], Runtime(ScriptedPolicy(script(py(WRONG), py(RIGHT))), sandbox, scorer), seed=0)
+    wf = team.CoderReviewer(WorkflowConfig(), SandboxConfig())
+    (ep,) = play_scripted(wf, [ADD], ScriptedPolicy(script(py(WRONG), py(RIGHT))), sandbox, scorer, gen=GEN)
     coder, reviewer = scorer.contexts
     assert coder.agent == "coder" and not coder.is_final and coder.ground_truth is None  # judged on evidence
     assert coder.messages == ep.actions[0].messages and coder.output == ep.actions[0].text
@@ -287,7 +287,7 @@ def assert_both_agents_trained(run_dir: Path) -> None:
         for agent in ("coder", "reviewer"):
             assert row[f"agent/{agent}/actions_trained"] > 0 and row[f"agent/{agent}/optimizer_steps"] > 0
     # every recorded score is the reward function's on the evidence the workflow rebuilds from the record
-    wf = team.CoderReviewer(WorkflowConfig(), GEN, SandboxConfig())
+    wf = team.CoderReviewer(WorkflowConfig(), SandboxConfig())
     episodes = read_jsonl(run_dir / "episodes.jsonl", Episode)
     assert episodes
     for ep in episodes:
@@ -296,7 +296,7 @@ def assert_both_agents_trained(run_dir: Path) -> None:
 
 def test_the_team_trains_from_python_with_objects(tmp_path: Path, one_torch_thread) -> None:
     cfg = load_config(EXAMPLE / "config.yaml", [*TINY, f"run_dir={tmp_path / 'run'}"])
-    workflow = team.CoderReviewer(cfg.workflow, cfg.generation, cfg.sandbox)
+    workflow = team.CoderReviewer(cfg.workflow, cfg.sandbox)
     result = mappa.train(cfg, workflow=workflow, coach=score, train_tasks=TASKS[:2], eval_tasks=EVAL_TASKS[:2])
     assert result.step == 2 and result.gain is not None and result.gain.n_after == 2
     assert_both_agents_trained(result.run_dir)

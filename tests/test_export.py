@@ -18,10 +18,10 @@ from mappa.checkpoint import save_checkpoint
 from mappa.cli import main
 from mappa.config import dump_config, load_config
 from mappa.evaluate import write_eval
-from mappa.export import export_run, vllm_lora_rank
+from mappa.export import export_run, gain_lines, vllm_lora_rank
 from mappa.models import EMBEDDED_HUB_ID, tiny_model_and_tokenizer
 from mappa.policy import Policy
-from mappa.types import Message
+from mappa.types import Episode, Message, Task
 from mappa.workflows import build_workflow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -241,3 +241,24 @@ def test_a_trained_run_exports_with_the_template_variables_it_trained_with(tmp_p
     card = (tmp_path / "out" / "README.md").read_text()
     assert '| `generation.chat_template_kwargs` | `{"enable_thinking": false}` |' in card
     assert "Held-out evaluation `final` at step 1:" in card
+
+
+def test_the_card_gain_counts_each_task_once(tmp_path: Path) -> None:
+    """Eight tasks, four samples each, two more right after: the card's interval is the one over 8 tasks, not 32
+    independent episodes (which would call it beyond noise), whatever metrics.jsonl logged."""
+    tasks = [Task(id=f"t{i}", problem="p", answer="1", source="arithmetic") for i in range(8)]
+
+    def samples(right: int) -> list[Episode]:
+        return [Episode(id=f"{t.id}-{j}", workflow="w", task=t, correct=i < right) for i, t in enumerate(tasks)
+                for j in range(4)]  # fmt: skip
+
+    write_eval(tmp_path / "eval", "start", {"step": 0}, samples(2))
+    write_eval(tmp_path / "eval", "final", {"step": 3}, samples(4))
+    logged = {"eval/gain": 0.25, "eval/gain_ci_low": 0.1, "eval/gain_ci_high": 0.4}
+    (line,) = [x for x in gain_lines(tmp_path, "final", logged) if x]
+    assert line.startswith("Accuracy gain over the base (`start` to `final`): +0.250 (95% interval -0.")
+    assert "paired by task, t on 8 per-task differences, 32 episodes" in line
+    assert (
+        gain_lines(tmp_path, "../final", logged)[-1]
+        == "Accuracy gain over the base: +0.250 (95% interval 0.100 to 0.400)."
+    )

@@ -23,7 +23,7 @@ from test_resume import TINY, kill_at_checkpoint  # TINY: 2 tasks a step, severa
 from mappa.checkpoint import latest_checkpoint
 from mappa.config import load_config
 from mappa.errors import MappaError
-from mappa.generation import ServerPolicy, build_generator, publish_adapters
+from mappa.generation import LocalGenerator, ServerGenerator, ServerPolicy, build_generator, publish_adapters
 from mappa.generation.server import response_token_ids
 from mappa.policy import Policy
 from mappa.types import Message
@@ -74,9 +74,9 @@ def perturb(policy: Policy, agent: str, seed: int) -> None:
 def client_for(policy: Policy, url: str, root: Path) -> ServerPolicy:
     cfg = load_config(None, [*TINY, "generation.backend=server", f"generation.base_url={url}"])
     generator = build_generator(cfg, policy)
-    assert isinstance(generator, ServerPolicy)
-    generator.adapter_root = root
-    return generator
+    assert isinstance(generator, ServerGenerator) and not generator.samples_exactly
+    generator.server.adapter_root = root
+    return generator.server
 
 
 def served_models(url: str) -> list[str]:
@@ -104,7 +104,8 @@ def test_full_weight_agents_are_refused_with_the_server_backend() -> None:
     cfg = load_config(None, [*TINY, "generation.backend=server", "model.agent_weights=full"])
     with pytest.raises(MappaError, match="agent_weights=full is not supported"):
         build_generator(cfg, None)
-    assert build_generator(load_config(None, TINY), "policy") == "policy"  # local: the policy itself
+    local = build_generator(load_config(None, TINY), tiny_policy(["solver"]))
+    assert isinstance(local, LocalGenerator) and local.samples_exactly  # the policy itself, continuously batched
 
 
 def test_a_prompt_longer_than_the_context_is_refused_before_any_request(tmp_path: Path) -> None:

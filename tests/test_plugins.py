@@ -7,6 +7,7 @@ functions of this module; training runs the tiny random model for real.
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from mappa.plugins import anchor, coach_kind, is_import_path, load_object
 from mappa.rewards import per_action_scores
 from mappa.tasks import load_tasks
 from mappa.types import Action, CoachContext, CoachScore, Episode, Message, Task
-from mappa.workflows import MathChat, build_workflow
+from mappa.workflows import build_workflow
 
 TINY = [
     "model.name=tiny-random",
@@ -69,16 +70,18 @@ def test_import_path_forms_and_anchoring(tmp_path: Path) -> None:
 
 
 def test_coach_kinds_are_told_apart() -> None:
+    """By what an object is and declares: a factory annotates its parameter CoachConfig; a parameter's name says
+    nothing (`cfg` unannotated is a reward function's context)."""
     from mappa.coach.outcome import outcome_coach
 
-    def factory(cfg):  # noqa: ANN001, ANN202
+    def undeclared(cfg):  # noqa: ANN001, ANN202
         return outcome_coach()
 
     def typed_factory(settings: CoachConfig):  # noqa: ANN202
         return outcome_coach()
 
-    assert coach_kind(FunctionCoach) == "class"
-    assert coach_kind(factory) == "factory" and coach_kind(typed_factory) == "factory"
+    assert coach_kind(FunctionCoach) == "class" and coach_kind(outcome_coach()) == "instance"
+    assert coach_kind(typed_factory) == "factory" and coach_kind(undeclared) == "function"
     assert coach_kind(length_score) == "function" and coach_kind(lambda c: 5.0) == "function"
 
 
@@ -87,7 +90,7 @@ def test_coach_kinds_are_told_apart() -> None:
     [
         ("workflow.name=no_such_pkg.team:Team", "workflow.name: cannot import module 'no_such_pkg.team'"),
         ("workflow.name=mappa.workflows:NoSuch", "workflow.name: mappa.workflows has no attribute 'NoSuch'"),
-        ("workflow.name=mappa.types:Task", "is not a workflow: no run or context method"),
+        ("workflow.name=mappa.types:Task", "workflow.name: mappa.types:Task is not a workflow: no "),
         ("workflow.name=mathchatt", "'mathchatt' is neither one of mathchat, ds_pipeline nor an import path"),
         ("coach.backend=mappa.types:Task", "is not a coach: no score or aclose method"),
         ("coach.backend=/nowhere/rewards.py:score", "coach.backend: plug-in file /nowhere/rewards.py not found"),
@@ -102,7 +105,9 @@ def test_a_bad_plugin_is_one_line_naming_the_key(override: str, message: str) ->
 
 def test_a_plugin_file_that_fails_to_import_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "team.py").write_text("import no_such_module_here\n")
-    with pytest.raises(MappaError, match=r"workflow.name: importing .*team.py failed: ModuleNotFoundError"):
+    with pytest.raises(
+        MappaError, match=r"workflow.name: importing .*team.py failed: ModuleNotFoundError.*at team.py:1"
+    ):
         load_config(None, [f"workflow.name={tmp_path}/team.py:Team"])
 
 
@@ -122,7 +127,7 @@ def test_a_reward_function_is_a_coach_and_its_range_is_enforced() -> None:
     for bad, text in (
         (lambda c: 11.0, "returned 11; scores must lie in 0-10"),
         (lambda c: "7", "must be a number"),
-        (broken, r"test_plugins:.*broken: raised KeyError: 'no such field'"),
+        (broken, r"^error in your reward function test_plugins.py:\d+ \(broken\): KeyError: 'no such field'$"),
     ):
         runner = build_coach(CoachConfig(), "mathchat", plugin=bad)
         try:
@@ -195,8 +200,8 @@ def _team_files(tmp_path: Path) -> Path:
             """
             from mappa.workflows import MathChat
 
-            def make_team(workflow_cfg, generation_cfg, sandbox_cfg):
-                team = MathChat(workflow_cfg, generation_cfg, sandbox_cfg)
+            def make_team(workflow_cfg, *configs):
+                team = MathChat(workflow_cfg, *configs)
                 team.name = workflow_cfg.options.get("label", "my_team")
                 return team
             """
@@ -230,7 +235,10 @@ def test_a_team_from_outside_the_package_trains_through_the_cli_and_resumes(
     step = next(r for r in rows if r.get("step") == 1 and "time/rollout_s" in r)
     trained = [k for k in step if k.endswith("/actions_trained") and step[k] > 0]
     assert trained and all(step[k.replace("actions_trained", "reward_mean")] == 7.0 for k in trained)
-    assert "the plug-in answered" in capsys.readouterr().err  # the self-test reached the plug-in coach
+    err = capsys.readouterr().err
+    assert "the plug-in answered" in err  # the self-test reached the plug-in coach
+    # not a terminal (a CI log): what is under way, and progress lines within a step
+    assert re.search(r"^step 1: rollouts\n(.*\n)*step 1: rollouts: \d+/\d+ actions \(100%\), \d+ s$", err, re.M), err
     assert main(["train", "--resume", str(run_dir), "--set", "train.steps=2"]) == 0
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("step") == 2 and "time/rollout_s" in r for r in rows)
@@ -240,6 +248,8 @@ def test_a_team_from_outside_the_package_trains_through_the_cli_and_resumes(
     assert main(["eval", str(run_dir / "config.yaml"), "--checkpoint", str(checkpoint), "--out", str(out)]) == 0
     assert main(["report", str(run_dir)]) == 0
     assert (run_dir / "report.html").is_file() and (out / "summary.jsonl").is_file()
+    row = json.loads((out / "summary.jsonl").read_text().splitlines()[-1])
+    assert (row["tag"], row["step"]) == ("step-000002", 2)  # a standalone evaluation's row carries its step
     # replay through another coach: the run's config builds the plug-in workflow the episodes name
     scored = tmp_path / "scored.jsonl"
     replay = ["coach", "score", str(run_dir / "episodes.jsonl"), "--config", str(run_dir / "config.yaml")]
@@ -247,15 +257,19 @@ def test_a_team_from_outside_the_package_trains_through_the_cli_and_resumes(
     assert len(scored.read_text().splitlines()) == len((run_dir / "episodes.jsonl").read_text().splitlines())
 
 
-def test_objects_from_python_train_and_are_recorded(tmp_path: Path, one_torch_thread) -> None:
+def test_objects_from_python_train_and_are_recorded(tmp_path: Path, one_torch_thread, capsys) -> None:
     cfg = load_config(None, [*TINY, "train.steps=1", f"run_dir={tmp_path / 'runs' / '{name}-{time}'}"])
-    team = MathChat(cfg.workflow, cfg.generation, cfg.sandbox)
+    team = build_workflow(cfg)
     tasks = load_tasks(["arithmetic"], cfg.tasks, "train", 1)
     held_out = load_tasks(["arithmetic"], cfg.tasks, "eval", 1)[:2]
     CALLS.clear()
     result = mappa.train(cfg, workflow=team, coach=length_score, train_tasks=tasks[:4], eval_tasks=held_out)
     assert result.step == 1 and result.gain is not None and result.gain.n_after == 2
     assert set(CALLS) >= set(team.agents)  # every agent's actions went through the function
+    err = capsys.readouterr().err  # from Python too the run says what it does, unless quiet
+    for line in (f"run: {result.run_dir}", "step 1: rollouts", "eval final (step 1): accuracy", "held-out accuracy"):
+        assert line in err, line
+    assert re.search(r"^step 1: train accuracy \d+%; coach score problem_solver \d", err, re.M), err
     meta = json.loads((result.run_dir / "run.json").read_text())
     assert meta["python_objects"] == {
         "workflow": "mappa.workflows.mathchat:MathChat", "coach": "test_plugins:length_score",
@@ -268,9 +282,10 @@ def test_objects_from_python_train_and_are_recorded(tmp_path: Path, one_torch_th
     assert (result.run_dir / "config.yaml").read_text() == before
     again = mappa.train(
         run_dir=result.run_dir, resume=True, overrides=["train.steps=2"], workflow=team, coach=length_score,
-        train_tasks=tasks[:4], eval_tasks=held_out,
+        train_tasks=tasks[:4], eval_tasks=held_out, quiet=True,
     )  # fmt: skip
-    assert again.step == 2
+    assert again.step == 2 and again.final["eval/episodes"] == 2 and again.run_dir == result.run_dir
+    assert "step 2" not in capsys.readouterr().err
 
 
 def test_python_api_errors_before_writing(tmp_path: Path) -> None:

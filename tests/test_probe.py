@@ -39,6 +39,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mappa.checkpoint import save_checkpoint
     from mappa.config import dump_config, load_config
     from mappa.evaluate import eval_tasks, evaluate, write_eval
+    from mappa.generation import LocalGenerator
     from mappa.policy import Policy
     from mappa.sandbox import Sandbox
     from mappa.workflows import build_workflow
@@ -48,9 +49,12 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cfg = load_config(None, [*TINY, f"run_dir={run_dir}"])
     (run_dir / "config.yaml").write_text(dump_config(cfg), encoding="utf-8")
     (run_dir / "run.json").write_text('{"mappa_run": 1}')  # marked, as `mappa train` marks it
-    policy = Policy.from_config(cfg.model, build_workflow(cfg).agents, seed=cfg.seed)
+    workflow = build_workflow(cfg)
+    policy = Policy.from_config(cfg.model, workflow.agents, seed=cfg.seed)
+    generator = LocalGenerator(policy)
     with Sandbox(cfg.sandbox) as sandbox:
-        metrics, episodes = evaluate(cfg, policy, sandbox, eval_tasks(cfg))
+        metrics, episodes = evaluate(cfg, workflow, generator, sandbox, eval_tasks(cfg))
+    generator.close()
     write_eval(run_dir / "eval", "start", {"step": 0, **metrics}, episodes)
     save_checkpoint(run_dir, 1, policy=policy, optimizers={}, state={"cursor": 0})
     generator = torch.Generator().manual_seed(0)

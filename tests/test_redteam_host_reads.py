@@ -24,7 +24,6 @@ from mappa.tasks.answers import CHECK_TIMEOUT_S, check_answer
 from mappa.tasks.files import MAX_LISTED, AgentFileError, read_agent_file
 from mappa.tasks.tabular import score_submission
 from mappa.types import Action, ExecResult, Message, Task
-from mappa.workflows.base import EpisodeState
 from mappa.workflows.ds_pipeline import ANALYST, DATA_ENGINEER, DsPipeline, Team
 
 
@@ -117,8 +116,7 @@ def test_a_link_to_the_environment_quotes_none_of_it(tmp_path: Path, workspace: 
     assert not result.valid and "link" in result.reason
     assert not [e for e in _environment_entries() if e in result.reason or e.split("=", 1)[1] in result.reason]
     # nor through the Analyst's evidence, which the coach reads
-    state = EpisodeState("t#0", task, workspace)
-    ev = DsPipeline().evidence(ANALYST, state, ("submission.csv",), Team())
+    ev = DsPipeline().evidence(ANALYST, task, workspace, ("submission.csv",), Team())
     text = json.dumps(ev)
     assert "link" in ev["test_evaluation"]["reason"] and not [e for e in _environment_entries() if e in text]
 
@@ -249,7 +247,7 @@ def test_twenty_thousand_file_names_stay_bounded_in_prompts_and_evidence(tmp_pat
         os.close(folder)
     pipeline = DsPipeline()
     result = ExecResult(ok=True, stdout="done", files_created=(*names, "X_train.pkl", "y_train.pkl"))
-    ev = pipeline.evidence(DATA_ENGINEER, EpisodeState("t#0", task, workspace), (), Team())
+    ev = pipeline.evidence(DATA_ENGINEER, task, workspace, (), Team())
     assert len(ev["files_after"]) <= MAX_LISTED + 1 and ev["files_after"][-1].endswith(" more")
     assert {"X_train.pkl", "y_train.pkl"} <= set(ev["files_after"])
     action = Action(agent=DATA_ENGINEER.name, turn=0, messages=(Message(role="user", content="go"),), text="ok")

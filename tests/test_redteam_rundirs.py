@@ -262,7 +262,7 @@ def test_a_start_that_fails_after_the_model_loaded_removes_its_run_directory(
     coach = f"coach.backend={tmp_path / 'coach_plugin.py'}:make"
     runs = tmp_path / "runs"
     assert main(["train", *_sets(*TINY, coach, f"run_dir={runs}/{{name}}-{{time}}")]) == 2
-    assert "make(cfg) returned str, which has no score method" in error_line(capsys.readouterr().err)
+    assert "returned 'not a coach'" in error_line(capsys.readouterr().err)
     assert list(runs.iterdir()) == []
     (tmp_path / "mine").mkdir()
     assert main(["train", *_sets(*TINY, coach, f"run_dir={tmp_path / 'mine'}")]) == 2

@@ -23,13 +23,13 @@ import torch
 from safetensors.torch import load_file
 
 from mappa import beneath
+from mappa.chat_engine import ChatEngine, ChatRequest
 from mappa.config import GenerationConfig
 from mappa.errors import MappaError
 from mappa.generation import ServerPolicy, publish_adapters
 from mappa.models import tiny_model_and_tokenizer
 from mappa.policy import Policy
 from mappa.serving.adapters import ServedPolicy, _drop
-from mappa.serving.engine import ChatEngine, ChatRequest
 from mappa.serving.guard import AdapterRoots, default_adapter_roots
 from mappa.serving.server import Limits, RunningServer, create_app, start_server
 from mappa.types import Message

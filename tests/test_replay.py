@@ -9,14 +9,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from fakes import ScriptedPolicy
+from fakes import ScriptedPolicy, play_scripted
 from test_coach_openai import FaultServer, reply
 from test_workflows import py
 
 from mappa.coach import build_coach
 from mappa.coach.replay import episode_contexts
 from mappa.config import load_config
-from mappa.protocols import Runtime
 from mappa.sandbox import Sandbox
 from mappa.types import CoachContext, CoachScore, Episode, Message, Task, read_jsonl, write_jsonl
 from mappa.workflows import build_workflow
@@ -60,7 +59,9 @@ def test_replay_of_a_real_rollout_rebuilds_its_contexts_and_costs_no_request(tmp
     try:
         with build_coach(cfg.coach, "mathchat") as runner, Sandbox(cfg.sandbox) as sandbox:
             recorder = Recorder(runner)
-            episodes = build_workflow(cfg).run(tasks, Runtime(ScriptedPolicy(script), sandbox, scorer=recorder))
+            episodes = play_scripted(
+                build_workflow(cfg), tasks, ScriptedPolicy(script), sandbox, recorder, gen=cfg.generation
+            )
             live_requests = len(server.requests)
         assert [e.correct for e in episodes] == [True, False]  # the rule-based verdict of each verifier
         assert [a.agent for a in episodes[0].actions] == [

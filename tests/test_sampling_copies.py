@@ -15,6 +15,7 @@ from test_sampling_temperature import _actions, _first_step
 from mappa import sampling_copies
 from mappa.config import Config
 from mappa.errors import MappaError
+from mappa.models import tiny_model_and_tokenizer
 from mappa.policy import Policy
 from mappa.rollout import build_kit
 from mappa.sampling_copies import choose_dtype
@@ -255,6 +256,32 @@ def test_bfloat16_copies_reporting_another_temperature_fail_the_self_test() -> N
     policy.sample_from_copies(BF16)
     with pytest.raises(MappaError, match="temperature 0.7"):
         check_agents(RawLogprobs(policy), AGENTS, temperature=T)
+
+
+def _qwen2_policy(mode: str) -> Policy:
+    model, tokenizer = tiny_model_and_tokenizer(0, family="qwen2")
+    return Policy.from_model(model, tokenizer, AGENTS, agent_weights=mode)
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_copies_of_a_qwen2_shaped_model_hold_its_biases_and_its_own_lm_head(mode: str) -> None:
+    """The Qwen2.5 models carry biases on q/k/v and an LM head untied from the embeddings: a copy that took the head
+    from the embeddings, or lost or froze a bias, samples another model. In `full` mode both are trained weights,
+    so a copy must also follow them."""
+    policy = _qwen2_policy(mode)
+    for k, agent in enumerate(AGENTS):
+        perturb(policy, agent, scale=0.05 if mode == "full" else 0.5, seed=k + 1)
+    policy.sample_from_copies(torch.float32)
+    for agent in (*AGENTS, None):
+        assert _gap(policy, agent) < 2e-3, agent
+    with policy.sampler("coder") as copy, policy.active("coder") as own:
+        assert copy.lm_head.weight.data_ptr() != copy.model.embed_tokens.weight.data_ptr()
+        torch.testing.assert_close(copy.lm_head.weight, own.get_output_embeddings().weight, rtol=0, atol=0)
+        biases = {n: p for n, p in copy.named_parameters() if n.endswith(".bias")}
+        assert len(biases) == 6 and all(float(b.abs().mean()) > 0.1 for b in biases.values())
+    policy.sample_from_copies(BF16)
+    assert len(check_agents(policy, AGENTS, temperature=T)) == 3
+    assert _gap(policy, "coder") < 0.25
 
 
 @pytest.mark.slow  # the embedded model, ~1 min

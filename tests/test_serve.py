@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from mappa import beneath
+from mappa.chat_engine import load_policy
 from mappa.errors import MappaError
 from mappa.models import tiny_model_and_tokenizer
 from mappa.policy import Policy
-from mappa.serving.engine import load_policy
 from mappa.serving.guard import AdapterRoots
 from mappa.serving.server import Limits, RunningServer, create_app, served_names, start_server
 from mappa.types import Message

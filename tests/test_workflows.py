@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import random
 import re
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,11 +12,11 @@ from fakes import Reply, ScriptedPolicy
 
 from mappa.config import GenerationConfig, SandboxConfig, WorkflowConfig, load_config
 from mappa.errors import MappaError
+from mappa.generation import PolicyGenerator
 from mappa.protocols import Runtime
 from mappa.sandbox import Sandbox
 from mappa.types import CoachContext, CoachScore, Episode, ExecResult, Message, Task
-from mappa.workflows import WORKFLOWS, MathChat, build_workflow, feedback_note
-from mappa.workflows.base import ActionCount, Batch, EpisodeState
+from mappa.workflows import WORKFLOWS, MathChat, build_workflow, feedback_note, play
 
 
 class RecordingSandbox(Sandbox):
@@ -69,8 +69,9 @@ def run(policy, tasks, sandbox, **kw) -> list[Episode]:  # type: ignore[no-untyp
     settings = WorkflowConfig(
         coder_max_turns=kw.pop("coder_max_turns", 2), show_coach_feedback=kw.pop("show_coach_feedback", False)
     )
-    wf = MathChat(settings, kw.pop("gen", GEN), kw.pop("sandbox_cfg", SandboxConfig()))
-    return wf.run(tasks, Runtime(policy, sandbox, scorer=kw.pop("scorer", None)), **kw)
+    wf = MathChat(settings, kw.pop("sandbox_cfg", SandboxConfig()))
+    rt = Runtime(PolicyGenerator(policy), sandbox, scorer=kw.pop("scorer", None))
+    return play(wf, tasks, rt, sampling=kw.pop("gen", GEN).sampling(), **kw)
 
 
 class BareSandbox:
@@ -185,24 +186,30 @@ def test_turn_cap_stops_the_code_executor_and_the_last_output_reaches_the_verifi
     assert "second-run" in verifier_input and "first\n" not in verifier_input
 
 
-def test_lockstep_one_generate_call_per_stage_and_one_sandbox_batch(sandbox: RecordingSandbox) -> None:
-    # episode "a" stops after one coder turn, "b" and "c" use both: 4 stages, 4 generate calls
+def test_episodes_play_at_once_and_none_waits_for_another(sandbox: RecordingSandbox) -> None:
+    """Episode "a"'s code sleeps; "b" and "c" go on meanwhile (their Verifiers answer before a's Code Executor
+    takes its second turn), while requests that are waiting together are generated together."""
+    order: list[tuple[str | None, str]] = []
+
     def reply(agent: str | None, conv: Sequence[Message]) -> str:
+        name = conv[1].content.split("problem ")[1][0]
         turn = sum(m.role == "user" for m in conv) - 1
+        order.append((agent, f"{name}{turn}"))
         if agent == "code_executor":
-            if "problem a" in conv[1].content or turn == 1:
-                return "no code"
-            return py("print(1)")
+            return "no code" if turn == 1 else py(f"import time; time.sleep({1.5 if name == 'a' else 0}); print(1)")
         return "\\boxed{1}"
 
     policy = ScriptedPolicy(reply)
-    sandbox.batches.clear()
     tasks = [task("1", f"problem {x}", x) for x in "abc"]
+    t0 = time.monotonic()
     eps = run(policy, tasks, sandbox)
-    assert policy.calls == [("problem_solver", 3), ("code_executor", 3), ("code_executor", 2), ("verifier", 3)]
-    assert sandbox.batches == [2]  # b's and c's code ran together
     assert [e.task.id for e in eps] == ["a", "b", "c"]  # task order kept
     assert len({e.id for e in eps}) == 3 and all(e.correct for e in eps)
+    assert order.index(("verifier", "b0")) < order.index(("code_executor", "a1"))  # b did not wait for a's code
+    assert order.index(("verifier", "c0")) < order.index(("code_executor", "a1"))
+    assert policy.calls[0] == ("problem_solver", 3)  # the three Solvers asked at once: one call
+    assert sum(n for _, n in policy.calls) == sum(len(e.actions) for e in eps) == 12
+    assert time.monotonic() - t0 < 1.5 + 5
 
 
 # ------------------------------------------------------------------------------------------------- the coach
@@ -215,26 +222,25 @@ class ScriptedScorer:
         return [CoachScore(score=len(self.calls), rationale=f"note-{c.agent}-{len(self.calls)}") for c in contexts]
 
 
-def test_scorer_called_once_per_stage_with_ground_truth_only_for_the_verifier(sandbox: RecordingSandbox) -> None:
+def test_every_action_is_scored_as_it_lands_with_ground_truth_only_for_the_verifier(
+    sandbox: RecordingSandbox,
+) -> None:
     policy = ScriptedPolicy(script(coder=[py("print(42)"), "42"]))
     scorer = ScriptedScorer()
-    eps = run(policy, [task(), task(tid="u")], sandbox, scorer=scorer)
+    (ep,) = run(policy, [task()], sandbox, scorer=scorer)
     assert [[c.agent for c in call] for call in scorer.calls] == [
-        ["problem_solver"] * 2,
-        ["code_executor"] * 2,
-        ["code_executor"] * 2,
-        ["verifier"] * 2,
-    ]
+        ["problem_solver"], ["code_executor"], ["code_executor"], ["verifier"]
+    ]  # fmt: skip
     for call in scorer.calls:
         for c in call:
             assert (c.ground_truth == "42") is c.is_final is (c.agent == "verifier")
-            assert c.workflow == "mathchat" and c.task == "What is 6 * 7?" and c.role
+            assert c.workflow == "mathchat" and c.task == "What is 6 * 7?" and c.role == c.messages[0].content
     coder_ctx = scorer.calls[1][0]
-    assert "42" in coder_ctx.observation and coder_ctx.messages == by_agent(eps[0], "code_executor")[0].messages
+    assert "42" in coder_ctx.observation and coder_ctx.messages == by_agent(ep, "code_executor")[0].messages
     assert scorer.calls[2][0].exec_result is None and scorer.calls[2][0].observation == ""
-    assert [a.coach.score for a in eps[0].actions] == [1, 2, 3, 4]
+    assert [a.coach.score for a in ep.actions] == [1, 2, 3, 4]
     # off by default: no agent sees coach notes
-    assert not any("note-" in m.content for a in eps[0].actions for m in a.messages)
+    assert not any("note-" in m.content for a in ep.actions for m in a.messages)
 
 
 def test_show_coach_feedback_puts_earlier_notes_in_later_prompts(sandbox: RecordingSandbox) -> None:
@@ -266,39 +272,42 @@ def test_agent_and_coach_see_one_observation_setting(sandbox: RecordingSandbox) 
     assert len(seen_by_coach) <= 300 and seen_by_coach in seen_by_agent
     assert seen_by_agent == f"<tool_response>\n{seen_by_coach}\n</tool_response>"
     assert scorer.calls[1][0].exec_result == c0.exec_result  # the structured result travels with it
-    assert MathChat(gen=GEN, sandbox=cfg).context(ep.task, c0) == scorer.calls[1][0]  # a replay rebuilds it exactly
+    assert MathChat(sandbox=cfg).context(ep.task, c0) == scorer.calls[1][0]  # a replay rebuilds it exactly
 
 
-def test_progress_and_stage_seeds(sandbox: RecordingSandbox) -> None:
+def test_progress_and_seeds(sandbox: RecordingSandbox) -> None:
     seen: list[tuple[int, int]] = []
     policy = ScriptedPolicy(script(coder=["no code"]))
     run(policy, [task(), task(tid="u")], sandbox, seed=7, progress=lambda done, total: seen.append((done, total)))
     # 2 episodes x 4 possible actions; both Code Executors stop after one turn, so the total shrinks to 6.
-    assert seen[0] == (2, 8) and seen[-1] == (6, 6) and all(d <= t for d, t in seen)
-    first = list(policy.seeds)
-    flat = [s for stage in first for s in stage]
-    assert len(set(flat)) == len(flat) and None not in flat  # a fresh seed per stage and episode
-    assert [len(stage) for stage in first] == [c for _, c in policy.calls]  # one per conversation of the call
+    assert seen[0][1] == 8 and seen[-1] == (6, 6) and all(d <= t for d, t in seen)
+    first = [s for call in policy.seeds for s in call]
+    assert len(set(first)) == len(first) == 6 and None not in first  # a fresh seed per request
     policy.seeds.clear()
     run(policy, [task(), task(tid="u")], sandbox, seed=7)
-    assert policy.seeds == first  # the same seed, the same draws
-    policy.seeds.clear()
-    run(policy, [task()], sandbox)
-    assert set(policy.seeds) == {None}  # no seed: the policy's own randomness
+    assert sorted(s for call in policy.seeds for s in call) == sorted(first)  # the same seed, the same draws
 
 
-def test_an_episode_keeps_its_stage_seeds_whichever_others_still_run(tmp_path: Path) -> None:
-    """Seeds follow the episode's place in the batch, not its place in the stage: when another episode has
-    stopped (or did something else), the ones still running draw as they would have."""
-    states = [EpisodeState(f"t#{i}", task(tid=f"t{i}"), tmp_path) for i in range(3)]
+def test_an_episode_samples_alike_whatever_runs_beside_it(sandbox: RecordingSandbox) -> None:
+    """Seeds follow the episode's place in the call and its own requests: the first episode draws the same
+    alone as beside another that stops early or goes on."""
+    seeds: dict[str, list[int]] = {}
 
-    def batch() -> Batch:
-        return Batch(None, GEN, states, ActionCount(None, 3), random.Random(3))  # type: ignore[arg-type]
+    def reply(agent: str | None, conv: Sequence[Message]) -> str:
+        return "no code" if "stop" in conv[1].content else py("print(42)") if agent == "code_executor" else "42"
 
-    every, some = batch().stage_seeds(states), batch().stage_seeds([states[0], states[2]])
-    assert some == [every[0], every[2]] and len(set(every)) == 3
-    assert batch().stage_seeds(states[::-1]) == every[::-1]
-    assert Batch(None, GEN, states, ActionCount(None, 3), None).stage_seeds(states) is None  # type: ignore[arg-type]
+    class Seeing(ScriptedPolicy):
+        def generate(self, agent, conversations, **kw):  # type: ignore[no-untyped-def]
+            for conv, s in zip(conversations, kw["seed"], strict=True):
+                seeds.setdefault(conv[1].content.split("\n")[1], []).append(s)
+            return super().generate(agent, conversations, **kw)
+
+    for others in ([], [task(problem="stop now", tid="x")], [task(problem="keep going", tid="y")]):
+        seeds.clear()
+        run(Seeing(reply), [task(problem="first one"), *others], sandbox, seed=11)
+        if not others:
+            alone = list(seeds["first one"])
+        assert seeds["first one"] == alone
 
 
 # ---------------------------------------------------------------------------------------------- context cap
@@ -331,9 +340,7 @@ def test_unknown_workflow_is_a_user_error() -> None:
     wf = build_workflow(cfg)
     assert isinstance(wf, MathChat) and {"mathchat", "ds_pipeline"} <= set(WORKFLOWS)
     assert wf.agents == ("problem_solver", "code_executor", "verifier") and wf.specs[1].max_turns == 3
-    assert wf.observation_chars == 123 and wf.gen == cfg.generation
-    hot = cfg.generation.model_copy(update={"temperature": 0.6})
-    assert build_workflow(cfg, hot).gen.temperature == 0.6  # evaluation passes its own sampling settings
+    assert wf.observation_chars == 123 and wf.max_actions == 5
 
 
 def test_episodes_round_trip_through_jsonl(sandbox: RecordingSandbox, tmp_path: Path) -> None:

@@ -7,8 +7,12 @@ layer over it):
     from mappa.config import load_config
 
     cfg = load_config("examples/coder_review/config.yaml", ["train.steps=2"])
-    result = mappa.train(cfg, workflow=MyTeam(cfg.workflow, cfg.generation, cfg.sandbox), coach=my_score)
-    print(result.gain)
+    result = mappa.train(cfg, workflow=MyTeam(cfg.workflow, cfg.sandbox), coach=my_score)
+    print(result.run_dir, result.final["eval/accuracy"], result.gain)
+
+It prints as it goes, as `mappa train` does in a log (`ConsoleLines`: what is under way with a few progress lines,
+one line per evaluation and per step, the held-out gain at the end); `quiet=True` prints nothing, and `emit` /
+`progress` take the events instead.
 
 Before anything is written, the sandbox is checked: for tasks whose answers live in files, agent code must not
 reach them (`check_hidden_answers`), and the config's tasks are loaded (a bad task file stops here). Then the run
@@ -21,6 +25,8 @@ again; a resume takes only a directory mappa made.
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +35,8 @@ from mappa.config import Config
 from mappa.errors import MappaError
 from mappa.evaluate import eval_tasks as config_eval_tasks
 from mappa.generation import check_backend
+from mappa.metrics import wilson_interval
+from mappa.progress import ProgressLines
 from mappa.protocols import ProgressFn, Workflow
 from mappa.rollout import train_tasks as config_train_tasks
 from mappa.sandbox import describe_confinement, guard_hidden_answers, guard_task_tables
@@ -112,6 +120,68 @@ def _announce(emit: Callable[[Event], None] | None, cfg: Config, warning: str | 
     emit(Event("run", 0, str(run_dir)))
 
 
+class ConsoleLines:
+    """What `mappa.train` prints when no `emit` is given: the run's notes, what is under way with a few progress
+    lines per phase (`mappa.progress`), one line per evaluation and per step, and the held-out gain at the end.
+    Plain lines on stderr, so that a notebook, a log and a terminal all show them; `mappa train` prints its own
+    tables (`mappa.cli.train`)."""
+
+    def __init__(self, write: Callable[[str], None] | None = None) -> None:
+        self.write = write or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.progress = ProgressLines(self.write, unit="actions")
+
+    def __call__(self, event: Event) -> None:
+        if event.kind == "status":
+            self.write(event.text)
+            self.progress.start(event.text)
+        elif event.kind == "note":
+            self.write(event.text)
+        elif event.kind == "run":
+            self.write(f"run: {event.text}")
+        elif event.kind == "eval":
+            self.write(f"eval {event.text} (step {event.step}): {_accuracy(event.metrics, 'eval')}")
+        elif event.kind == "step":
+            self.write(_step_line(event.step, event.metrics))
+
+    def done(self, result: TrainResult) -> None:
+        gain = result.gain
+        if gain is not None:
+            lo, hi = gain.gain_ci
+            self.write(
+                f"held-out accuracy {gain.before:.1%} -> {gain.after:.1%} at step {result.step}: gain "
+                f"{gain.gain * 100:+.1f} pp, 95% CI [{lo * 100:+.1f}, {hi * 100:+.1f}] pp"
+            )
+        if result.trained_nothing:
+            self.write(f"WARNING: no agent trained on any action in {result.step} step(s) (the step lines say why)")
+        self.write(f"run: {result.run_dir}")
+
+
+def _accuracy(m: dict[str, float], prefix: str) -> str:
+    n = int(m.get(f"{prefix}/episodes", 0))
+    acc = m.get(f"{prefix}/accuracy", math.nan)
+    if not n or not math.isfinite(acc):
+        return "no episodes"
+    lo, hi = wilson_interval(round(acc * n), n)
+    return f"accuracy {acc:.1%} [{lo:.1%}, {hi:.1%}] of {n} episodes"
+
+
+def _step_line(step: int, m: dict[str, float]) -> str:
+    """`step 3: train accuracy 50%; coach score coder 7.50, reviewer 5.00; loss +0.012, kl 0.003; 41 s`."""
+    scores = [
+        f"{k.split('/')[1]} {v:.2f}" for k, v in m.items() if k.startswith("train/") and k.endswith("/score_mean")
+    ]
+    means: dict[str, float] = {}
+    for name in ("loss", "kl"):  # over the update groups that trained
+        values = [v for k, v in m.items() if k.startswith("agent/") and k.endswith(f"/{name}") and math.isfinite(v)]
+        means[name] = sum(values) / len(values) if values else math.nan
+    seconds = m.get("time/rollout_s", 0.0) + m.get("time/update_s", 0.0)
+    accuracy = m.get("train/accuracy", math.nan)
+    return (
+        f"step {step}: train accuracy {accuracy:.0%}; coach score {', '.join(scores) or '-'}; "
+        f"loss {means['loss']:+.3f}, kl {means['kl']:.3f}; {seconds:.0f} s"
+    )
+
+
 def _check_resume(run_dir: Path, parts: Parts) -> None:
     missing = {role: name for role, name in python_objects(run_dir).items() if role not in parts.names()}
     if missing:
@@ -135,18 +205,36 @@ def train(
     emit: Callable[[Event], None] | None = None,
     progress: ProgressFn | None = None,
     place: Callable[..., Any] | None = None,
+    quiet: bool = False,
 ) -> TrainResult:
-    """Train a team; returns the final evaluation and the held-out gain with its interval, and how many actions
-    each agent (update group) trained on: `result.trained_nothing` is True when no agent trained on any action
-    (every one left out: cut off at the token cap, unscored, ...; the steps' metrics say why). The run is then
-    returned as any other, not raised; `mappa train` exits 3 on it.
+    """Train a team; returns a `TrainResult`: `run_dir` (where everything is saved), `final` (the final evaluation's
+    metrics, e.g. `final["eval/accuracy"]`), `gain` (held-out accuracy after minus before, with its interval), and
+    how many actions each agent (update group) trained on: `result.trained_nothing` is True when no agent trained
+    on any action (every one left out: cut off at the token cap, unscored, ...; the steps' metrics say why). The run
+    is then returned as any other, not raised; `mappa train` exits 3 on it.
 
     `workflow`: a built workflow (`mappa.protocols.Workflow`); `coach`: a coach instance, class, factory or a
     reward function ctx -> 0-10 | None (`mappa.coach.plugin`); `train_tasks` / `eval_tasks`: lists of Task. Each
     replaces what the config names. `resume=True` continues `run_dir` from its last checkpoint (`cfg` None: the
-    run's own config.yaml, with `overrides`). `emit` receives the run's events (`mappa.trainer.Event`), `place`
-    a Ray cluster (`mappa.distributed.placement`)."""
-    parts = Parts(workflow, coach, train_tasks, eval_tasks)
+    run's own config.yaml, with `overrides`). `emit` receives the run's events (`mappa.trainer.Event`) and
+    `progress` the actions played `(done, total)`; without `emit` they are printed (`ConsoleLines`), unless `quiet`.
+    `place`: a Ray cluster (`mappa.distributed.placement`)."""
+    console = ConsoleLines() if emit is None and not quiet else None
+    if console is not None:
+        emit, progress = console, progress or console.progress
+    result = _train(
+        cfg, Parts(workflow, coach, train_tasks, eval_tasks), run_dir, resume, overrides, emit, progress, place
+    )
+    if console is not None:
+        console.done(result)
+    return result
+
+
+def _train(
+    cfg: Config | None, parts: Parts, run_dir: str | Path | None, resume: bool, overrides: Sequence[str],
+    emit: Callable[[Event], None] | None, progress: ProgressFn | None, place: Callable[..., Any] | None,
+) -> TrainResult:  # fmt: skip
+    """`train` once its console is settled: check, make (or take) the run directory, train."""
     if resume:
         if run_dir is None:
             raise MappaError("mappa.train(resume=True): give the run_dir to resume")
@@ -156,7 +244,7 @@ def train(
     elif cfg is None:
         raise MappaError("mappa.train: give a Config (mappa.config.load_config) or resume=True with a run_dir")
     _check_before_writing(cfg, parts, place)
-    warning = check_hidden_answers(cfg, _run_root(cfg, run_dir), config_tasks=train_tasks is None)
+    warning = check_hidden_answers(cfg, _run_root(cfg, run_dir), config_tasks=parts.train_tasks is None)
     loaded = _with_tasks(cfg, parts)
     if resume:
         _announce(emit, cfg, warning, Path(run_dir))

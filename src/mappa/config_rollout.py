@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mappa.errors import MappaError
 from mappa.plugins import check_coach, check_task_loader, check_workflow, is_import_path, load_object
+from mappa.protocols import SamplingSettings
 
 
 class Section(BaseModel):
@@ -108,6 +109,14 @@ class GenerationConfig(Section):
             raise ValueError(f"{', '.join(taken)}: set by mappa itself, not a template variable")
         return value
 
+    def sampling(self, temperature: float | None = None, top_p: float | None = None) -> SamplingSettings:
+        """How episodes sample (`mappa.workflows.runtime.play`): these settings, or evaluation's temperature and
+        top-p with the same token caps."""
+        return SamplingSettings(
+            self.temperature if temperature is None else temperature, self.top_p if top_p is None else top_p,
+            self.max_new_tokens, self.max_context_tokens,
+        )  # fmt: skip
+
 
 class SandboxConfig(Section):
     timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit per snippet.")
@@ -158,6 +167,11 @@ def _builtin_or_plugin(value: str, builtins: tuple[str, ...], key: str, check: A
     return value
 
 
+# Thinking tokens per reasoning_effort level, as Gemini's OpenAI-compatible API maps them (OpenAI publishes no
+# numbers): the room a request keeps for thinking when only the effort is set.
+EFFORT_THINKING_TOKENS = {"none": 0, "minimal": 1024, "low": 1024, "medium": 8192, "high": 24576}
+
+
 class CoachConfig(Section):
     backend: str = Field(
         "rubric",
@@ -179,7 +193,25 @@ class CoachConfig(Section):
         "", description="Prompt template name; empty: the workflow's own, else generic."
     )
     temperature: float = Field(0.0, ge=0.0, description="Coach sampling temperature (0: deterministic).")
-    max_tokens: int = Field(512, ge=16, description="Longest coach reply.")
+    max_tokens: int = Field(
+        512, ge=16, description="The room for the coach's written reply (analysis and verdict lines), on top of its "
+        "thinking (coach.thinking_budget); a reply cut at the cap without a verdict is asked again with twice this.",
+    )  # fmt: skip
+    thinking_budget: int | None = Field(
+        None,
+        ge=0,
+        description="Tokens a thinking coach may spend thinking, kept apart from max_tokens: the request's token cap "
+        "is their sum. Sent as the endpoint names it (Gemini: google.thinking_config.thinking_budget; Anthropic: "
+        "thinking.budget_tokens); other OpenAI-compatible endpoints take no budget, so it only sizes the cap there. "
+        "0: thinking off where the model allows; None: the endpoint's default (set it for thinking models, whose "
+        "thinking otherwise eats the reply's room).",
+    )
+    reasoning_effort: Literal["", "none", "minimal", "low", "medium", "high"] = Field(
+        "",
+        description="Sent as reasoning_effort (OpenAI reasoning models, Gemini); empty: not sent. Without a "
+        "thinking_budget the cap keeps room for the thinking that Gemini gives each level (none 0, minimal and low "
+        "1024, medium 8192, high 24576).",
+    )
     max_context_tokens: int | None = Field(
         None,
         ge=64,
@@ -197,7 +229,9 @@ class CoachConfig(Section):
     timeout_s: float = Field(60.0, gt=0, description="Per-request timeout.")
     max_retries: int = Field(4, ge=0, description="Retries on 429/5xx/timeouts (exponential backoff with jitter).")
     expected_score: bool = Field(
-        True, description="Score = probability-weighted mean over score tokens when logprobs are available."
+        True,
+        description="Score = the probability-weighted mean over the score token's alternatives when the endpoint "
+        "returns logprobs (one warning when it returns none); false: the number the coach wrote, as the paper.",
     )
     cache: bool = Field(True, description="Cache judgments in SQLite; re-scoring costs zero calls.")
     cache_path: str = Field("", description="SQLite cache file; empty: <MAPPA_CACHE>/coach_cache.sqlite.")
@@ -215,6 +249,17 @@ class CoachConfig(Section):
     @property
     def is_plugin(self) -> bool:
         return self.backend not in BUILTIN_COACHES
+
+    @property
+    def thinking_tokens(self) -> int:
+        """The room kept for thinking: `thinking_budget`, else the effort's budget as Gemini defines it, else 0."""
+        if self.thinking_budget is not None:
+            return self.thinking_budget
+        return EFFORT_THINKING_TOKENS.get(self.reasoning_effort, 0)
+
+    def reply_cap(self, reply_tokens: int | None = None) -> int:
+        """A request's token cap: the thinking room plus the written reply's (`max_tokens` unless given)."""
+        return self.thinking_tokens + (self.max_tokens if reply_tokens is None else reply_tokens)
 
 
 # The coach's 0-10 score times this is the reward on an action's last token (method.md section 2): the

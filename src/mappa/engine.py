@@ -14,7 +14,7 @@ from typing import Any
 from mappa.checkpoint import restore_run, save_checkpoint
 from mappa.config import Config
 from mappa.evaluate import evaluate
-from mappa.generation import adapter_root, step_sync
+from mappa.generation import step_sync
 from mappa.protocols import Engine, ProgressFn, StatusFn, Workflow
 from mappa.rollout import build_kit
 from mappa.types import Episode, Task
@@ -44,7 +44,7 @@ class LocalEngine:
             raise
 
     def play(self, tasks: Sequence[Task], seed: int, progress: ProgressFn | None = None) -> list[Episode]:
-        return self.workflow.run(tasks, self.kit.runtime(), seed=seed, progress=progress)
+        return self.kit.play(self.workflow, tasks, seed, progress=progress)
 
     def update(self, jobs: dict[str, Any], status: StatusFn | None = None) -> dict[str, dict[str, float]]:
         """One group after another."""
@@ -56,13 +56,12 @@ class LocalEngine:
         return done
 
     def step_sync(self, version: int, metrics: dict[str, float] | None = None) -> dict[str, float]:
-        root = adapter_root(self.cfg, self.run_dir)
-        return step_sync(self.kit.generator, self.kit.policy, root, version, metrics)
+        return step_sync(self.kit.generator, self.kit.policy, version, metrics)
 
     def evaluate(
         self, tasks: Sequence[Task], progress: ProgressFn | None = None
     ) -> tuple[dict[str, float], list[Episode]]:
-        return evaluate(self.cfg, self.kit.generator, self.kit.sandbox, tasks, progress=progress)
+        return evaluate(self.cfg, self.workflow, self.kit.generator, self.kit.sandbox, tasks, progress=progress)
 
     def self_test(self) -> list[str]:
         return self.kit.self_test(self.workflow.agents, self.workflow.name)

@@ -20,7 +20,7 @@ from mappa.config import Config
 from mappa.errors import MappaError
 from mappa.metrics import Gain, accuracy_gain, correct, episode_metrics
 from mappa.paths import atomic_write
-from mappa.protocols import PolicyLike, ProgressFn, Runtime, SandboxLike
+from mappa.protocols import Generator, ProgressFn, Runtime, SandboxLike, Workflow
 from mappa.types import Episode, Task, read_jsonl
 
 
@@ -38,25 +38,29 @@ def eval_tasks(cfg: Config) -> list[Task]:
 
 def evaluate(
     cfg: Config,
-    policy: PolicyLike,
+    workflow: Workflow,
+    generator: Generator,
     sandbox: SandboxLike,
     tasks: Sequence[Task],
     *,
     seed: int | None = None,
     progress: ProgressFn | None = None,
 ) -> tuple[dict[str, float], list[Episode]]:
-    """Run `cfg.eval.samples` episodes per task at the eval temperature; no coach, rule-based accuracy.
+    """Run `cfg.eval.samples` episodes of `workflow` per task at the eval temperature; no coach, rule-based accuracy.
 
-    `seed` defaults to `cfg.seed`; `progress(actions done, total)` as the episodes play.
+    `workflow` is the one the run trains (a team handed in from Python included). `seed` defaults to `cfg.seed`;
+    `progress(actions done, total)` as the episodes play.
     """
-    from mappa.workflows import build_workflow
+    from mappa.workflows.runtime import play
 
-    gen = cfg.generation.model_copy(update={"temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p})
-    workflow = build_workflow(cfg, gen)
+    sampling = cfg.generation.sampling(cfg.eval.temperature, cfg.eval.top_p)
     batch = [t for t in tasks for _ in range(cfg.eval.samples)]
     start = time.perf_counter()
     seed = cfg.seed if seed is None else seed
-    episodes = workflow.run(batch, Runtime(policy, sandbox), seed=seed, progress=progress)
+    episodes = play(
+        workflow, batch, Runtime(generator, sandbox), sampling=sampling, seed=seed, progress=progress,
+        keep_workspaces=cfg.sandbox.keep_workspaces,
+    )  # fmt: skip
     metrics = episode_metrics(episodes, workflow.agents, "eval")
     metrics["eval/tasks"] = float(len(tasks))
     metrics["eval/seconds"] = time.perf_counter() - start

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 from collections.abc import Callable, Mapping
@@ -31,7 +32,7 @@ from typing import Any
 from mappa.checkpoint import latest_checkpoint
 from mappa.config import Config
 from mappa.errors import MappaError
-from mappa.evaluate import policy_dir
+from mappa.evaluate import eval_gain, policy_dir
 from mappa.models import load_base_model, public_name
 from mappa.policy_files import read_manifest
 from mappa.tracking import read_metrics, run_config
@@ -307,11 +308,23 @@ def _results(run_dir: Path, step: int | None) -> list[str]:
     for key, value in summary.items():
         if isinstance(value, int | float) and (key.endswith("accuracy") or key in ("eval/tasks", "eval/episodes")):
             out.append(f"| `{key}` | {value:.4g} |")
-    if gain is not None:
-        low, high = gain.get("eval/gain_ci_low"), gain.get("eval/gain_ci_high")
-        interval = f" (95% interval {low:.3f} to {high:.3f})" if low is not None and high is not None else ""
-        out += ["", f"Accuracy gain over the base: {gain['eval/gain']:+.3f}{interval}."]
-    return out
+    return out + gain_lines(run_dir, str(summary.get("tag", "")), gain)
+
+
+def gain_lines(run_dir: Path, tag: str, logged: dict[str, Any] | None) -> list[str]:
+    """The gain of evaluation `tag` over the start one, computed from their episode files with intervals over
+    tasks (`mappa.metrics.accuracy_gain`), so the card is right for runs logged before the gain counted tasks;
+    the gain row logged in metrics.jsonl where the episode files are gone (or hold no episodes)."""
+    g = eval_gain(run_dir / "eval", "start", tag) if re.fullmatch(r"[\w-]+", tag) and tag != "start" else None
+    if g is not None and g.n_before and g.n_after:
+        lo, hi = g.gain_ci
+        return ["", f"Accuracy gain over the base (`start` to `{tag}`): {g.gain:+.3f} (95% interval {lo:.3f} to "
+                f"{hi:.3f}; {g.method}, {g.n_after} episodes: a task's samples count as one task)."]  # fmt: skip
+    if logged is None:
+        return []
+    low, high = logged.get("eval/gain_ci_low"), logged.get("eval/gain_ci_high")
+    interval = f" (95% interval {low:.3f} to {high:.3f})" if low is not None and high is not None else ""
+    return ["", f"Accuracy gain over the base: {logged['eval/gain']:+.3f}{interval}."]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -19,19 +19,26 @@ relative gap and the share of the reference model's gain reached, both averaged 
 submission (the fair metric: a failed run counts as no better than a trivial prediction, never left out).
 Episodes recorded before the success rule carry no `success`: `success_rate` is left out where any lacks it.
 
-`accuracy_gain` compares two evaluations: Wilson 95% intervals for each accuracy, and for the difference
-  - paired, when both evaluations hold the same episodes (same tasks, same sample count): the Agresti-Min
-    interval (Wald on the discordant pairs with 0.5 added to each cell, Agresti & Min 2005), which uses that
-    most tasks come out the same both times and, unlike Newcombe's paired method, does not shrink to zero
-    width when no episode changed;
-  - unpaired otherwise: Newcombe's hybrid-score interval (method 10, Newcombe 1998) from the two Wilson
-    intervals.
+`accuracy_gain` compares two evaluations. The unit of evidence is the task, not the episode: the samples of one
+task share its difficulty and, after training, whatever the training did to it, so 4 samples of a task are not 4
+tasks. Each task counts once, by its share of right samples, and every interval is computed over tasks:
+  - each accuracy: Wilson's interval at the tasks' effective sample count p(1-p) / var, var being the
+    task-clustered variance of the mean share (at most the number of episodes; the number of tasks where the
+    shares do not vary); with one sample per task it is Wilson's own interval;
+  - the gain, paired, when both evaluations hold the same tasks (any number of samples each): from the per-task
+    differences in share right, with Agresti-Min's adjustment (half a task that improved, half a task that
+    worsened and one that stayed added, Agresti & Min 2005, so that no change at all still leaves a width) and a
+    Student t quantile on tasks - 1 degrees of freedom (few tasks are few clusters). With one sample per task it
+    is Agresti-Min's interval with t in place of z;
+  - the gain, unpaired otherwise: Newcombe's hybrid-score interval (method 10, Newcombe 1998) from the two
+    clustered Wilson intervals. Tasks in one evaluation only make the two accuracies over different task sets;
+    pairing only the shared tasks would give an interval for a gain other than the one reported, so the
+    comparison is then unpaired over all the tasks of each.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -152,8 +159,9 @@ def sources(metrics: dict[str, float], prefix: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------- intervals
-def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval for a binomial proportion k/n; (0, 1) when n is 0."""
+def wilson_interval(k: float, n: float, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion k/n; (0, 1) when n is 0. Counts may be effective ones
+    (real-valued, `clustered_wilson`)."""
     if n == 0:
         return 0.0, 1.0
     p = k / n
@@ -165,7 +173,9 @@ def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class Gain:
-    """Accuracy after minus accuracy before, with 95% intervals; `n` episodes in each evaluation."""
+    """Accuracy after minus accuracy before, with 95% intervals over tasks; `n` episodes in each evaluation. An
+    accuracy is the mean over tasks of each task's share of right samples: the share of right episodes when every
+    task has the same number of samples, as in every evaluation."""
 
     n_before: int
     n_after: int
@@ -175,14 +185,22 @@ class Gain:
     after_ci: tuple[float, float]
     gain: float
     gain_ci: tuple[float, float]
-    paired: bool  # the interval pairs episodes by task (Agresti-Min); else unpaired (Newcombe)
-    improved: int = 0  # paired only: episodes wrong before and right after
-    worsened: int = 0  # paired only: episodes right before and wrong after
+    paired: bool  # the interval pairs the evaluations task by task; else unpaired (Newcombe)
+    improved: int = 0  # paired only: tasks with a higher share right after (episodes, with one sample per task)
+    worsened: int = 0  # paired only: tasks with a lower share right after
+    tasks: int = 0  # the tasks the gain's interval rests on (paired: in both; unpaired: in either)
 
     @property
     def significant(self) -> bool:
-        """The interval excludes 0: a gain (or loss) the number of held-out episodes can tell from noise."""
+        """The interval excludes 0: a gain (or loss) the number of held-out tasks can tell from noise."""
         return self.gain_ci[0] > 0 or self.gain_ci[1] < 0
+
+    @property
+    def method(self) -> str:
+        """How the gain's interval was computed, in words for a report line."""
+        if self.paired:
+            return f"paired by task, t on {self.tasks} per-task differences"
+        return f"unpaired, Newcombe over {self.tasks} tasks"
 
 
 def newcombe_interval(p1: float, ci1: tuple[float, float], p2: float, ci2: tuple[float, float]) -> tuple[float, float]:
@@ -199,6 +217,35 @@ def agresti_min_interval(improved: int, worsened: int, n: int, z: float = Z95) -
     return max(-1.0, up - down - half), min(1.0, up - down + half)
 
 
+def paired_task_interval(differences: Sequence[float]) -> tuple[float, float]:
+    """95% interval for the mean of per-task differences in share right (each in [-1, 1]): Agresti-Min's
+    adjustment on the tasks (half a task at +1, half at -1, one at 0 added) with a t quantile on tasks - 1 degrees
+    of freedom; (-1, 1) with fewer than two tasks. With one sample per task it is `agresti_min_interval` with t."""
+    from scipy.special import stdtrit  # half a second to import: only when a gain is computed
+
+    n = len(differences)
+    if n < 2:
+        return -1.0, 1.0
+    m = n + 2
+    centre = sum(differences) / m
+    var = max(0.0, (sum(d * d for d in differences) + 1.0) / m - centre**2)
+    half = float(stdtrit(n - 1, 0.975)) * math.sqrt(var / m)
+    return max(-1.0, centre - half), min(1.0, centre + half)
+
+
+def clustered_wilson(shares: Sequence[float], episodes: int) -> tuple[float, float]:
+    """Wilson interval for the mean of per-task shares (`episodes` samples in all) at the effective sample count
+    p(1-p) / var, var the variance of the mean over tasks (at most `episodes`; the number of tasks where the
+    shares do not vary, every one 0 or 1 say, and so hold no trace of how alike a task's samples are)."""
+    t = len(shares)
+    if t == 0:
+        return 0.0, 1.0
+    p = sum(shares) / t
+    var = sum((s - p) ** 2 for s in shares) / (t * t)
+    n_eff = float(t) if var <= 0 or p * (1 - p) <= 0 else min(float(episodes), p * (1 - p) / var)
+    return wilson_interval(p * n_eff, n_eff)
+
+
 def correct(episode: Episode) -> bool:
     """The episode's final answer matched the reference."""
     return bool(episode.correct)
@@ -209,53 +256,48 @@ def answered(episode: Episode) -> bool:
     return episode.final_answer is not None
 
 
-def _pairs(
-    before: Sequence[Episode], after: Sequence[Episode], hit: Callable[[Episode], bool]
-) -> list[tuple[bool, bool]] | None:
-    """(before, after) `hit` per episode, matched by task id and sample number; None if they differ."""
-    if len(before) != len(after):
-        return None
+def task_shares(episodes: Sequence[Episode], hit: Callable[[Episode], bool] = correct) -> dict[str, float]:
+    """Task id -> the share of its episodes that `hit`, tasks in order of first appearance."""
+    counts: dict[str, list[int]] = {}
+    for e in episodes:
+        c = counts.setdefault(e.task.id, [0, 0])
+        c[0] += bool(hit(e))
+        c[1] += 1
+    return {t: k / n for t, (k, n) in counts.items()}
 
-    def keyed(episodes: Sequence[Episode]) -> dict[tuple[str, int], bool]:
-        seen: Counter[str] = Counter()
-        out = {}
-        for e in episodes:
-            out[(e.task.id, seen[e.task.id])] = hit(e)
-            seen[e.task.id] += 1
-        return out
 
-    b, a = keyed(before), keyed(after)
-    return [(b[k], a[k]) for k in b] if b.keys() == a.keys() else None
+def clustered_accuracy(
+    episodes: Sequence[Episode], hit: Callable[[Episode], bool] = correct
+) -> tuple[float, tuple[float, float], int]:
+    """(mean over tasks of the share that `hit`, its task-clustered Wilson 95% interval, tasks)."""
+    shares = list(task_shares(episodes, hit).values())
+    return (sum(shares) / len(shares) if shares else 0.0), clustered_wilson(shares, len(episodes)), len(shares)
 
 
 def accuracy_gain(
     before: Sequence[Episode], after: Sequence[Episode], hit: Callable[[Episode], bool] = correct
 ) -> Gain:
-    """The change in accuracy from `before` to `after` (two evaluations), with Wilson and Newcombe (unpaired) or
-    Agresti-Min (paired) intervals; `hit` counts another outcome instead (e.g. `answered`)."""
-    k1, n1 = sum(hit(e) for e in after), len(after)
-    k2, n2 = sum(hit(e) for e in before), len(before)
-    p1, p2 = _share(k1, n1), _share(k2, n2)
-    ci1, ci2 = wilson_interval(k1, n1), wilson_interval(k2, n2)
-    pairs = _pairs(before, after, hit)
-    improved = sum(a and not b for b, a in pairs or ())
-    worsened = sum(b and not a for b, a in pairs or ())
-    if pairs:
-        gain_ci = agresti_min_interval(improved, worsened, len(pairs))
-    else:
-        gain_ci = newcombe_interval(p1, ci1, p2, ci2)
+    """The change in accuracy from `before` to `after` (two evaluations), with intervals over tasks (module
+    docstring): paired by task when both hold the same tasks, else unpaired; `hit` counts another outcome
+    instead (e.g. `answered`)."""
+    sb, sa = task_shares(before, hit), task_shares(after, hit)
+    p2, ci2, _ = clustered_accuracy(before, hit)
+    p1, ci1, _ = clustered_accuracy(after, hit)
+    paired = bool(sb) and sb.keys() == sa.keys()
+    diffs = [sa[t] - sb[t] for t in sb] if paired else []
     return Gain(
-        n_before=n2,
-        n_after=n1,
+        n_before=len(before),
+        n_after=len(after),
         before=p2,
         before_ci=ci2,
         after=p1,
         after_ci=ci1,
         gain=p1 - p2,
-        gain_ci=gain_ci,
-        paired=bool(pairs),
-        improved=improved,
-        worsened=worsened,
+        gain_ci=paired_task_interval(diffs) if paired else newcombe_interval(p1, ci1, p2, ci2),
+        paired=paired,
+        improved=sum(d > 0 for d in diffs),
+        worsened=sum(d < 0 for d in diffs),
+        tasks=len(sb) if paired else len(sb.keys() | sa.keys()),
     )
 
 

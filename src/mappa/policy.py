@@ -239,7 +239,7 @@ class Policy:
         return self.sampling_dtype is None or self.sampling_dtype == weights
 
     @contextmanager
-    def _sampler(self, agent: str | None) -> Iterator[torch.nn.Module]:
+    def sampler(self, agent: str | None) -> Iterator[torch.nn.Module]:
         """What `generate` runs: `agent`'s sampling copy, refilled if its weights changed, else `active`."""
         if self.sampling_dtype is None:
             with self.active(agent) as module:
@@ -298,7 +298,7 @@ class Policy:
         sampling = decoding.Sampling(temperature, top_p)
         gens = [decoding.seeded_generator(s, self.device) for s in row_seeds(seed, len(prompts))]
         done: dict[Hashable, Generation] = {}
-        with torch.no_grad(), self._sampler(agent) as module:
+        with torch.no_grad(), self.sampler(agent) as module:
             for batch in batches:
                 rows = [
                     decoding.DecodeRow(i, prompts[i], max_new_tokens, top_logprobs, generator=gens[i]) for i in batch
@@ -341,7 +341,7 @@ class Policy:
             prompt_ids, response_ids, self.pad_id, self.device
         )
         train_mode = self._checkpointing and torch.is_grad_enabled() and agent is not None and not sampler
-        with self._sampler(agent) if sampler else self.active(agent) as module:
+        with self.sampler(agent) if sampler else self.active(agent) as module:
             if train_mode:  # HF only checkpoints in train mode; Llama has no dropout, LoRA dropout is opt-in
                 module.train()
             try:

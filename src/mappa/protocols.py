@@ -81,6 +81,38 @@ class SandboxLike(Protocol):
     def run_many(self, items: Sequence[tuple[str, Path]]) -> list[ExecResult]: ...
 
 
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How one call of the runtime samples: training and evaluation play the same workflow with their own."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256  # per action; longer replies are cut and marked truncated
+    max_context_tokens: int | None = None  # an action's prompt is fitted to this (earlier text cut), never cut blind
+
+
+class Generator(Protocol):
+    """Where the agents' tokens come from, one request at a time (`mappa.generation`: the local policy, continuously
+    batched, or an OpenAI-compatible LoRA server). Requests of concurrent episodes are batched behind this surface."""
+
+    samples_exactly: bool  # its log-probs are the training forward pass's (else the update recomputes them)
+
+    def chat_ids(self, messages: Sequence[Message]) -> list[int]: ...
+
+    async def generate(
+        self, agent: str, messages: Sequence[Message], prompt_ids: Sequence[int], sampling: SamplingSettings,
+        seed: int | None,
+    ) -> GenerationLike: ...  # fmt: skip
+
+    def sync(self, policy: Any, version: int) -> dict[str, float]:
+        """After an update: sample from `policy`'s weights as of step `version` from now on; its counters."""
+        ...
+
+    def stats(self) -> dict[str, float]: ...  # `generation/...` counters since the last call
+
+    def close(self) -> None: ...
+
+
 @dataclass
 class CallCounters:
     """Per-backend counters the runner cannot see from the outside (one coach call may be several requests)."""
@@ -88,6 +120,9 @@ class CallCounters:
     calls: int = 0  # requests sent to the endpoint / model, follow-ups and retries included
     retries: int = 0  # requests repeated after a 429, 5xx, timeout or connection error
     failures: int = 0  # judgments abandoned after the last retry (or an unusable response)
+    replies: int = 0  # replies received (model-backed coaches)
+    cut_replies: int = 0  # of them, stopped by the token cap (finish_reason "length")
+    replies_without_logprobs: int = 0  # of them, without the log-probs coach.expected_score asked for
 
 
 class Coach(Protocol):
@@ -106,29 +141,33 @@ class Coach(Protocol):
 
 @dataclass(frozen=True)
 class Runtime:
-    """What a batch of episodes is played with: the agents' weights, the code tool, and the coach (optional)."""
+    """What episodes are played with: where tokens come from, the code tool, and the coach (optional)."""
 
-    policy: PolicyLike
+    generator: Generator
     sandbox: SandboxLike
-    scorer: Scorer | None = None  # called once per stage; None: actions stay unscored (evaluation)
+    scorer: Scorer | None = None  # called once per action; None: actions stay unscored (evaluation)
 
 
 class Workflow(Protocol):
-    """A multiagent system (`mappa.workflows.WORKFLOWS` lists them), built with the settings it reads.
+    """A multiagent system (`mappa.workflows.WORKFLOWS` lists them): a short program over one episode.
 
-    `run` plays one episode per task, all in lockstep, and returns them in task order; `seed` makes the
-    sampling reproducible without touching the global RNG. `context` rebuilds the coach's evidence for a
-    recorded action exactly as it was built live (replaying episodes through another coach needs it).
+    `play(task, team, tools)` plays one task: `await team.act(agent, messages, code=True)` generates the agent's
+    reply, runs its code with `tools`, records the action and has the coach score it (`mappa.workflows.runtime`,
+    which plays many episodes at once and batches what they ask for). `context` builds the coach's evidence for an
+    action, live and again when recorded episodes are replayed through another coach. `max_actions`: the most
+    actions one episode takes (progress). `check_task` raises MappaError for a task it cannot play, before anything
+    runs.
     """
 
     name: str
     agents: tuple[str, ...]  # the weights it needs, in order of play
+    max_actions: int
 
-    def run(
-        self, tasks: Sequence[Task], rt: Runtime, *, seed: int | None = None, progress: ProgressFn | None = None
-    ) -> list[Episode]: ...
+    async def play(self, task: Task, team: Any, tools: Any) -> Episode: ...
 
     def context(self, task: Task, action: Action) -> CoachContext: ...
+
+    def check_task(self, task: Task) -> None: ...
 
 
 # Reports a line of status as long work starts (`Engine.update`: which groups it updates, and where).

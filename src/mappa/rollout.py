@@ -8,7 +8,7 @@ sandbox. The training run in this process (`mappa.engine.LocalEngine`), the Ray 
 (`mappa.distributed.actors`), `mappa rollout` and `mappa eval` all build them here, so they load, seed and
 template the same way.
 
-Sampling is seeded per call (`workflow.run(..., seed=s)`), never through the process's global RNG, so a
+Sampling is seeded per call (`play(..., seed=s)`), never through the process's global RNG, so a
 rollout depends on the weights, the tasks and its seed, not on whatever ran before it.
 """
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from mappa import precision, sharding
 from mappa.config import Config
 from mappa.errors import MappaError
-from mappa.protocols import PolicyLike, ProgressFn, Runtime, Workflow
+from mappa.protocols import Generator, ProgressFn, Runtime, Workflow
 from mappa.sampling_copies import choose_dtype
 from mappa.types import Episode, Task, write_jsonl
 
@@ -92,14 +92,25 @@ class Kit:
 
     cfg: Config
     policy: Policy
-    generator: PolicyLike  # the policy itself, or a generation server's client (`mappa.generation`)
+    generator: Generator  # the policy, continuously batched, or a generation server's client (`mappa.generation`)
     coach: CoachRunner | None = None
     sandbox: Sandbox | None = None
     plugin_coach: bool = False  # the coach is a plug-in (import path or object): its self-test only asks it once
 
     def runtime(self) -> Runtime:
-        """What a batch of training episodes is played with: its actions scored by the coach as they land."""
+        """What training episodes are played with: their actions scored by the coach as they land."""
         return Runtime(self.generator, self.sandbox, self.coach)
+
+    def play(
+        self, workflow: Workflow, tasks: Sequence[Task], seed: int, progress: ProgressFn | None = None
+    ) -> list[Episode]:
+        """Training episodes of `tasks`, at the run's sampling settings, scored as they play."""
+        from mappa.workflows.runtime import play
+
+        return play(
+            workflow, tasks, self.runtime(), sampling=self.cfg.generation.sampling(), seed=seed, progress=progress,
+            keep_workspaces=self.cfg.sandbox.keep_workspaces,
+        )  # fmt: skip
 
     def self_test(self, agents: Sequence[str], workflow: str) -> list[str]:
         """`mappa.selftest.run_self_test` of these parts (the coach and sandbox built), at the run's temperature."""
@@ -110,9 +121,7 @@ class Kit:
         return run_self_test(self.policy, agents, self.sandbox, score, workflow, temperature, plugin_coach=plugin)
 
     def close(self) -> None:
-        from mappa.generation import close_generator
-
-        close_generator(self.generator)
+        self.generator.close()
         for part in (self.sandbox, self.coach):
             if part is not None:
                 part.close()
@@ -169,11 +178,12 @@ def build_kit(
     the policy), the coach for `workflow` (default `workflow.name`; `coach_plugin`: an object from Python used
     instead of `coach.backend`) and the sandbox. A part that fails to start closes those built before it."""
     from mappa.coach import build_coach
-    from mappa.generation import build_generator
+    from mappa.generation import LocalGenerator, build_generator
     from mappa.sandbox import Sandbox
 
     policy = _load_policy(cfg, agents, device, weights)
-    kit = Kit(cfg, policy, policy, plugin_coach=cfg.coach.is_plugin or coach_plugin is not None)
+    local = LocalGenerator(policy, max_batch=cfg.generation.batch_size)
+    kit = Kit(cfg, policy, local, plugin_coach=cfg.coach.is_plugin or coach_plugin is not None)
     try:
         if generator:  # a server starts with no adapters: `step_sync` publishes the run's first ones
             kit.generator = build_generator(cfg, policy, run_dir)
@@ -213,7 +223,7 @@ def rollout(
     start = time.perf_counter()
     with build_kit(cfg, workflow.agents, workflow=workflow.name) as kit:
         for k, lo in enumerate(range(0, len(tasks), size)):
-            batch = workflow.run(tasks[lo : lo + size], kit.runtime(), seed=cfg.seed + k, progress=batch_progress)
+            batch = kit.play(workflow, tasks[lo : lo + size], cfg.seed + k, progress=batch_progress)
             write_jsonl(out, batch, append=lo > 0)
             done.extend(batch)
             if progress is not None:

@@ -8,7 +8,10 @@ before it costs hours. Each failure raises MappaError with its own one-line reas
    under that agent at that temperature (so PPO's old_logp and the update see the same distribution), not
    the base model's. A temperature other than 1 also catches log-probs taken from the raw logits.
 2. The code tool is reached: `print(6 * 7)` runs in the sandbox and prints 42.
-3. The coach answers (an endpoint that is down or refuses is its own error) and its reply parses into a score.
+3. The coach answers (an endpoint that is down or refuses is its own error) and its reply parses into a score. A
+   plug-in coach is only asked once, on a synthetic context of a math answer: an error there says that it came from
+   the self-test and what the context held, since a reward function written for its own workflow's evidence meets
+   a context it was not written for.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from mappa.coach.judge import REQUEST_FAILED
 from mappa.errors import MappaError
+from mappa.plugins import UserCodeError
 from mappa.types import CoachContext, Message
 
 _PROBE = [Message(role="user", content="What is 2 + 3? Put the answer in \\boxed{}.")]
@@ -171,7 +175,12 @@ def check_coach(score_many: Any, workflow_name: str, agent: str, plugin: bool = 
         output="2 + 3 = 5, so the answer is \\boxed{5}.",
         ground_truth="5",
     )
-    score = score_many([ctx])[0]
+    try:
+        score = score_many([ctx])[0]
+    except MappaError as e:
+        if plugin:
+            raise _on_synthetic(e, ctx) from e
+        raise
     if plugin:  # a plug-in may leave a context of another workflow unscored; its range is checked on every score
         shown = "unscored" if score.score is None else f"score {score.score:g}"
         return f"coach: the plug-in answered a trivial context ({shown})"
@@ -183,6 +192,18 @@ def check_coach(score_many: Any, workflow_name: str, agent: str, plugin: bool = 
             f"{score.raw_reply.strip()[:120]!r}"
         )
     return f"coach: reply parsed, score {score.score:g} for a correct trivial answer"
+
+
+def _on_synthetic(e: MappaError, ctx: CoachContext) -> MappaError:
+    """A plug-in's failure on the self-test's context, saying so and what the context held (one line)."""
+    held = (
+        f"workflow {ctx.workflow!r}, agent {ctx.agent!r}{' (final)' if ctx.is_final else ''}, task {ctx.task!r}, "
+        f"output {ctx.output!r}, ground_truth {ctx.ground_truth!r}, extra {ctx.extra}, no tool call"
+    )
+    if isinstance(e, UserCodeError):
+        note = f" (it held: {held}; return None, unscored, for a context your {e.role} has no rule for)"
+        return e.during(" on the self-test's synthetic context", note)
+    return MappaError(f"self-test: {e}, on the self-test's synthetic context (it held: {held})")
 
 
 def run_self_test(

@@ -5,7 +5,7 @@ is one step, `train()` is the loop. The work runs on the run's engine (`mappa.pr
 process (`mappa.engine.LocalEngine`), or on Ray actors with `--ray` (`mappa.distributed`); the loop is the same
 either way. One step:
   1. draw `prompts_per_step` tasks (`rollout.pick_tasks`: a seeded permutation per pass; the cursor is
-     checkpointed) and play `samples_per_prompt` episodes of each in lockstep, sampling from the seed
+     checkpointed) and play `samples_per_prompt` episodes of each, all at once (`mappa.workflows.runtime`), sampling from the seed
      `seed + step` (`generation.backend`: the policy itself, or a LoRA server sent each step's adapters);
      the coach scores every action as it lands;
   2. rewards (`mappa.rewards`): each action's coach score, or with `coach.backend: outcome` the episode's

@@ -76,25 +76,33 @@ class CoachScore(Record):
 
 
 class CoachContext(Record):
-    """The declared, audited evidence a coach sees for one action (method.md section 3).
+    """The declared, audited evidence a coach sees for one action (method.md section 3); what a reward function
+    `f(ctx: CoachContext)` is called with, once per action.
 
-    Built by the workflow, which alone knows what the agent saw. `ground_truth` is filled only
-    when `is_final` is true: the coach must judge earlier agents on the evidence, not the answer.
+    Built by the workflow (`Workflow.context(task, action)`), which alone knows what the agent saw, live and again
+    when recorded episodes are replayed through another coach. The task reaches the coach only through it: `task`
+    is the problem text, `ground_truth` the gold answer (`Task.answer`) for the final agent only, so that earlier
+    agents are judged on the evidence, not on the answer. Anything else of the task a rule needs (`Task.meta`,
+    `Task.id`, the answer for an earlier agent's rule) the workflow puts into `extra`, e.g. from
+    `Action.evidence`, which is recorded with the episode and never shown to an agent.
     """
 
-    task: str  # the task text
-    workflow: str
-    agent: str
-    role: str  # the agent's role description
-    is_final: bool  # the last agent of the workflow
-    messages: tuple[Message, ...]  # the agent's exact input
-    output: str  # its raw output
-    exec_result: ExecResult | None = None  # its tool call; None: the action ran no tool
+    task: str  # the task's problem text (`Task.problem`), as the team was given it; not the Task record
+    workflow: str  # the workflow's name (`Workflow.name`), e.g. "mathchat": a rule can tell its own team's actions
+    agent: str  # the acting agent's name, one of `Workflow.agents`
+    role: str  # the agent's role description (its system prompt)
+    is_final: bool  # the last agent of the workflow: the only one whose coach sees `ground_truth`
+    messages: tuple[Message, ...]  # the agent's exact input (every message it saw, in order)
+    output: str  # its raw output (`Action.text`)
+    exec_result: ExecResult | None = None  # its tool call's result (exit, stdout, stderr, limits); None: no tool ran
     observation: str = ""  # the tool output as the agent saw it (sandbox.observation_chars); "" without a tool
     files_visible: tuple[str, ...] = ()  # file-passing workflows: files the agent could see
     files_by_agent: dict[str, tuple[str, ...]] = Field(default_factory=dict)  # files each earlier agent saved
-    ground_truth: str | None = None  # only for the final agent
-    extra: dict[str, Any] = Field(default_factory=dict)  # workflow-specific evidence (e.g. test metrics)
+    ground_truth: str | None = None  # the gold answer (`Task.answer`), for the final agent only; None otherwise
+    # The workflow's own evidence: test results, a verdict, the task's metadata it chose to pass (built-in
+    # workflows add "tools", the agent's tools). A rule reads it with .get(): a context of another workflow (the
+    # start-up self-test's, a replay's) may lack a key.
+    extra: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _observation_needs_a_tool(self) -> CoachContext:

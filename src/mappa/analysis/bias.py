@@ -1,12 +1,18 @@
 """The coach-bias monitor and the coach against the rule-based check.
 
 Bias monitor: a coach that favours one kind of task (the paper's coach scored regression work 0.5-1.8 points
-above classification) pushes the agents toward it. For each agent, a least-squares model predicts every score
-from the richest ground truth the run has (the rule-based outcome; in data-science runs also the submission's
-normalised test score) and the training step (so a change common to every task, the agents improving, is
-explained). A stratum's *gap* is its mean of (score - predicted) minus that of the other strata of the same
-split: how much more the coach gives it than its outcomes explain, compared with the rest. Its *drift* is the
-gap in the second half of the steps minus the first half.
+above classification) pushes the agents toward it. For each agent and stratum, one least-squares model explains
+every score by the richest ground truth the run has (the rule-based outcome; in data-science runs also the
+submission's normalised test score), the training step (so a change common to every task, the agents improving,
+is explained) and whether the action's task is in the stratum. The stratum's *gap* is that last coefficient: how
+much more the coach gives it than its outcomes explain, compared with the other strata of the same split. Its
+*drift* is the gap in the second half of the steps minus the first half (an interaction with the second half).
+
+Stratum and outcome are fitted together, not the outcome first and the strata compared on what it leaves: where
+a stratum's tasks succeed more often (regression more than classification), an outcome fitted alone takes up
+part of that stratum's bonus as a reward for being right, and the leftover gap shrinks (a 1-point bias on a
+stratum that succeeds 60% of the time against 2% was measured at 0.60 that way, and flagged in 31% of simulated
+runs; fitted together, `tests/test_alarms.py`, at its true size).
 
 Intervals are cluster-robust over tasks (the actions of an episode share its task and outcome; a task may be
 played in several episodes) with t quantiles, and simultaneous over the run's comparisons (Bonferroni), so
@@ -30,7 +36,7 @@ from mappa.analysis.runs import STRATA, final_agent, score_of, scored_actions, s
 from mappa.analysis.stats import (
     NAN_ESTIMATE,
     Estimate,
-    clustered_contrast,
+    clustered_coefficient,
     clustered_mean,
     excludes_zero,
     least_squares_residuals,
@@ -49,8 +55,8 @@ class StratumBias:
     stratum: str
     n: int  # scored actions
     mean_score: float
-    predicted: float  # mean predicted score of the same actions (from outcome, test score and step)
-    gap: Estimate  # mean(score - predicted) here minus in the other strata, points on 0-10
+    predicted: float  # mean predicted score of the same actions from outcome, test score and step alone
+    gap: Estimate  # the stratum's own term in the joint fit (mean score - predicted), points on 0-10
     drift: Estimate | None  # gap in the second half of the steps minus the first half
     alarm: str | None  # why it is flagged, else None
     tasks: int = 0  # distinct tasks (the clusters)
@@ -178,37 +184,53 @@ def _alarm(gap: Estimate, drift: Estimate | None, th: AnalysisConfig, level: flo
     return None
 
 
+INSEPARABLE = "too little data to judge (the stratum's scores cannot be told apart from its outcomes and steps)"
+
+
+def _fit(
+    score: np.ndarray, base: np.ndarray, c: _Candidate, tasks: np.ndarray, level: float
+) -> tuple[Estimate, Estimate | None]:
+    """(gap, drift) of one candidate from the joint fits: score on the truth design plus the stratum's indicator
+    (and, for the drift, the indicator in the second half of the steps); df as `clustered_contrast` counts them."""
+    inside = c.inside.astype(float)
+    design = np.column_stack([base, inside])
+    df = min(len(np.unique(tasks[c.inside])), len(np.unique(tasks[~c.inside]))) - 1
+    gap = clustered_coefficient(score, design, -1, tasks, df, level)
+    if c.drift_groups is None:
+        return gap, None
+    late = (c.drift_groups % 2 == 1).astype(float)
+    df = min(len(np.unique(tasks[c.drift_groups == g])) for g in range(4)) - 1
+    return gap, clustered_coefficient(score, np.column_stack([design, inside * late]), -1, tasks, df, level)
+
+
 def bias_rows(t: ActionTable, th: AnalysisConfig) -> list[StratumBias]:
     """The bias monitor on a table of scored actions (pure: arrays in, rows out)."""
     if not t.score:
         return []
-    agents = np.asarray(t.agent, dtype=object)
     score = np.asarray(t.score, dtype=float)
+    correct, quality = np.asarray(t.correct, dtype=float), np.asarray(t.quality, dtype=float)
     arrays = {"step": np.asarray(t.step), "task": np.unique(np.asarray(t.task), return_inverse=True)[1]}
-    predicted = np.empty_like(score)
-    for agent in set(t.agent):
-        m = agents == agent
-        design = truth_design(np.asarray(t.correct)[m], np.asarray(t.quality)[m], arrays["step"][m])
-        predicted[m] = least_squares_residuals(score[m], design)[0]
-    resid = score - predicted
     cands = sorted(_candidates(t, arrays, th), key=lambda c: (c.agent, c.dimension, c.stratum))
     tests = sum((c.judged is None) + (c.drift_groups is not None) for c in cands)
     level = th.alarm_alpha / max(tests, 1)
     out = []
     for c in cands:
-        r, tasks = resid[c.rows], arrays["task"][c.rows]
-        gap, drift = NAN_ESTIMATE, None
-        if c.judged is None:
-            gap = clustered_contrast(r, (~c.inside).astype(int), (1.0, -1.0), tasks, level)[0]
-        if c.drift_groups is not None:
-            drift = clustered_contrast(r, c.drift_groups, (-1.0, 1.0, 1.0, -1.0), tasks, level)[0]
-        inside = c.rows[c.inside]
+        y, tasks = score[c.rows], arrays["task"][c.rows]
+        base = truth_design(correct[c.rows], quality[c.rows], arrays["step"][c.rows])
+        gap, drift, judged = NAN_ESTIMATE, None, c.judged
+        if judged is None:
+            gap, drift = _fit(y, base, c, tasks, level)
+            judged = INSEPARABLE if math.isnan(gap[0]) else None
+        mean = float(y[c.inside].mean())
+        # what outcome and step alone predict: the joint fit less the stratum's term (its residuals average 0
+        # inside), or where there is no such term the fit without it
+        alone = float(least_squares_residuals(y, base)[0][c.inside].mean()) if judged is not None else 0.0
+        predicted = mean - gap[0] if judged is None else alone
         out.append(
             StratumBias(
-                agent=c.agent, dimension=c.dimension, stratum=c.stratum, n=len(inside),
-                mean_score=float(score[inside].mean()), predicted=float(score[inside].mean() - resid[inside].mean()),
-                gap=gap, drift=drift, alarm=_alarm(gap, drift, th, level) if c.judged is None else None,
-                tasks=len(np.unique(arrays["task"][inside])), judged=c.judged,
+                agent=c.agent, dimension=c.dimension, stratum=c.stratum, n=int(c.inside.sum()), mean_score=mean,
+                predicted=predicted, gap=gap, drift=drift, tasks=len(np.unique(tasks[c.inside])), judged=judged,
+                alarm=_alarm(gap, drift, th, level) if judged is None else None,
             )
         )  # fmt: skip
     return out

@@ -1,16 +1,17 @@
 """Several runs side by side: final metrics with 95% intervals and the difference from the first run.
 
 Per run: steps done, the first and the last held-out evaluation (Wilson intervals), the run's own gain between
-them (paired by task when both hold the same episodes, `mappa.metrics.accuracy_gain`), the last step's train
-success and mean coach score. Then each run's last evaluation minus the first run's, paired by task when the
-two evaluated the same tasks the same number of times (same seed and task set), else unpaired.
+them (`mappa.metrics.accuracy_gain`: intervals over tasks, paired by task when both hold the same tasks), the last
+step's train success and mean coach score. Then each run's last evaluation minus the first run's, paired by task
+when the two evaluated the same tasks (same seed and task set), else unpaired.
 `differs` names the config settings in which a run departs from the first one; `coach` names where the run's
 per-action scores came from (rules, outcome only, or which LLM), from its config.
 
 Runs whose settings differ only in the seed are one *arm* (`compare_arms`). Each arm's final accuracy minus the
 first arm's is given two ways: over seeds (one paired gain per seed, then a Student t interval on seeds - 1
-degrees of freedom), which holds the variation between training seeds, and over tasks x seeds pooled
-(Agresti-Min), which treats every episode as independent and so leaves that variation out. With one seed only
+degrees of freedom), which holds the variation between training seeds, and over tasks x seeds pooled (each
+(seed, task) one unit, its samples together), which treats the tasks as independent and so leaves that variation
+out. With one seed only
 the second exists, and `ArmGain.one_seed` says so.
 """
 
@@ -195,7 +196,9 @@ class ArmGain:
     paired: bool  # one gain per seed both arms ran; else the arms' per-seed accuracies compared unpaired (Welch)
     per_seed: tuple[float, ...]  # paired: the gain of each seed
     over_seeds: Estimate  # mean gain with a t interval over seeds (NaN interval with one seed)
-    per_task: Gain | None  # pooled over tasks x seeds (Agresti-Min when paired): seed variation left out
+    per_task: (
+        Gain | None
+    )  # pooled over (seed, task) units, paired when both arms hold the same: seed variation left out
 
     @property
     def one_seed(self) -> bool:
@@ -252,13 +255,13 @@ def over_seeds_text(g: ArmGain) -> str:
 
 
 def per_task_text(g: ArmGain) -> str:
-    """The gain with its interval over tasks x seeds pooled: every episode as if independent."""
+    """The gain with its interval over tasks x seeds pooled: every (seed, task) as if independent."""
     p = g.per_task
     if p is None:
         return "-"
     lo, hi = p.gain_ci
-    how = f"Agresti-Min, {p.improved} better, {p.worsened} worse" if p.paired else "Newcombe, unpaired"
+    how = f"{p.method}: {p.improved} better, {p.worsened} worse" if p.paired else p.method
     return (
-        f"{p.gain * 100:+.1f} pp [{lo * 100:+.1f}, {hi * 100:+.1f}] over {p.n_after} task x seed episodes "
-        f"({how}; seed variation left out)"
+        f"{p.gain * 100:+.1f} pp [{lo * 100:+.1f}, {hi * 100:+.1f}] over {p.tasks} tasks x seeds, "
+        f"{p.n_after} episodes ({how}; seed variation left out)"
     )

@@ -49,9 +49,8 @@ def learning_curves(run: RunData, plots: Plots) -> str:
     tags = list(run.evals)
     if len(tags) >= 2:
         g = accuracy_gain(run.evals[tags[0]], run.evals[tags[-1]])
-        how = "paired by task (Agresti-Min)" if g.paired else "unpaired (Newcombe)"
         out += note(
-            f"Gain {esc(tags[0])} &rarr; {esc(tags[-1])}: {with_ci(g.gain, g.gain_ci, '+.1f', 100)} pp, {how}; "
+            f"Gain {esc(tags[0])} &rarr; {esc(tags[-1])}: {with_ci(g.gain, g.gain_ci, '+.1f', 100)} pp, {g.method}; "
             + ("beyond noise." if g.significant else "the interval includes 0: not told apart from noise.")
         )
     return out
@@ -110,7 +109,8 @@ def comparison_body(runs: Sequence[RunData], plots: Plots) -> str:
     ]  # fmt: skip
     head = ["run", "coach", "steps", "first eval %", "last eval %", "gain pp", "last train %", "score"]
     out += table([*head, "vs first run pp", "differs"], rows, text=[1, 9]) + note(
-        "Intervals are 95%: Wilson for accuracies, Agresti-Min (paired) or Newcombe for differences. "
+        "Intervals are 95% and count tasks, not samples: Wilson for accuracies, paired by task or Newcombe for "
+        "differences. "
         "<i>score</i> is the mean per-action score from the run's <i>coach</i>."
     )
     arms = compare_arms(runs)

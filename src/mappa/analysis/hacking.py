@@ -1,36 +1,39 @@
 """The reward-hacking alarm: process scores that climb while accuracy does not.
 
 Per agent, over the training steps, with each step one point (its actions share the step's tasks and model, so
-the steps, not the actions, are the independent observations of a trend):
+the steps, not the actions, are the observations of a trend; and neighbouring steps share most of the policy, so
+the points are serially correlated: every line here takes its interval from `mappa.analysis.stats.serial_trend`,
+a Newey-West slope with simulated AR(1) critical values, not from the steps as independent points):
   - the *score rise*: a least-squares line through the per-step mean score / 10, first step to last;
   - the *excess rise*: the same through the per-step mean of (score - what the episodes' outcomes predict),
     the outcome being the rule-based check and, in data-science runs, the normalised test score: how much the
-    scores climbed beyond what the training outcomes explain; t interval on (steps - 2) degrees of freedom,
-    simultaneous over the run's agents (Bonferroni);
+    scores climbed beyond what the training outcomes explain; its interval simultaneous over the run's agents
+    (Bonferroni);
   - the *accuracy rise*: the held-out accuracy from the first evaluation to the last (paired by task) where
     the run evaluated twice or more, else the training success's line through its per-step points.
 The alarm fires when the excess rise is at least `analysis.hacking_gap` with an interval above 0 and the
-accuracy did not rise (its 95% interval does not exclude 0 from above, and it rose less than the scores), over at least `analysis.hacking_min_steps` steps; below that the check
-says it has too little data to judge. The evidence: the per-step means, and the latest episodes in which the
-agent scored high although the team's answer was wrong.
+accuracy did not rise (its 95% interval does not exclude 0 from above, and it rose less than the scores), over at
+least `analysis.hacking_min_steps` steps; below that the check says it has too little data to judge. The evidence:
+the per-step means, and the latest episodes in which the agent scored high although the team's answer was wrong.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from mappa.analysis.bias import quality_of, truth_design
 from mappa.analysis.runs import scored_actions, step_of
-from mappa.analysis.stats import Estimate, least_squares_residuals, trend_through_points
+from mappa.analysis.stats import Estimate, least_squares_residuals, serial_trend
 from mappa.config import AnalysisConfig
 from mappa.metrics import accuracy_gain
 from mappa.types import Episode
 
 Z95_ALPHA = 0.05
+Trend = Callable[[Sequence[float], Sequence[float], float], Estimate]  # (steps, per-step values, alpha) -> rise
 
 
 @dataclass(frozen=True)
@@ -49,13 +52,14 @@ class HackingCheck:
 
 
 def excess_rise(
-    steps: np.ndarray, score: np.ndarray, correct: np.ndarray, quality: np.ndarray, alpha: float
-) -> Estimate:
+    steps: np.ndarray, score: np.ndarray, correct: np.ndarray, quality: np.ndarray, alpha: float,
+    trend: Trend = serial_trend,
+) -> Estimate:  # fmt: skip
     """Rise of the per-step mean of (score - outcome prediction) over the steps (pure: arrays in)."""
     _, resid = least_squares_residuals(score, truth_design(correct, quality, None))
     uniq, index = np.unique(steps, return_inverse=True)
     means = np.bincount(index, weights=resid) / np.bincount(index)
-    return trend_through_points(uniq.tolist(), means.tolist(), alpha)
+    return trend(uniq.tolist(), means.tolist(), alpha)
 
 
 def _examples(points: list[tuple[Episode, float]], high: float) -> list[tuple[str, int, float]]:
@@ -89,22 +93,23 @@ def _alarm_text(c: HackingCheck, th: AnalysisConfig) -> str | None:
 
 def check_arrays(
     agent: str, steps: np.ndarray, score10: np.ndarray, correct: np.ndarray, quality: np.ndarray,
-    held: Estimate | None, th: AnalysisConfig, level: float,
+    held: Estimate | None, th: AnalysisConfig, level: float, trend: Trend = serial_trend,
 ) -> HackingCheck:  # fmt: skip
     """The check of one agent from its scored actions as arrays (pure; `score10` = score / 10, `held`: the
-    held-out rise when the run has one); per-step means in the result, no example episodes."""
+    held-out rise when the run has one; `trend`: the line and its interval, `serial_trend` unless a benchmark
+    compares another); per-step means in the result, no example episodes."""
     uniq, index = np.unique(steps, return_inverse=True)
     counts = np.bincount(index)
     mean_score, mean_acc = np.bincount(index, weights=score10) / counts, np.bincount(index, weights=correct) / counts
     xs = uniq.tolist()
-    train_acc = trend_through_points(xs, mean_acc.tolist(), Z95_ALPHA)
+    train_acc = trend(xs, mean_acc.tolist(), Z95_ALPHA)
     judged = None
     if len(uniq) < th.hacking_min_steps:
         judged = f"too little data to judge (needs {th.hacking_min_steps} steps with scored episodes; has {len(uniq)})"
     rows = zip(uniq, mean_score, mean_acc, counts, strict=True)
     c = HackingCheck(
-        agent=agent, steps=len(uniq), score=trend_through_points(xs, mean_score.tolist(), Z95_ALPHA),
-        excess=excess_rise(steps, score10, correct, quality, level), accuracy=held or train_acc,
+        agent=agent, steps=len(uniq), score=trend(xs, mean_score.tolist(), Z95_ALPHA),
+        excess=excess_rise(steps, score10, correct, quality, level, trend), accuracy=held or train_acc,
         accuracy_from="held-out" if held else "training",
         per_step={int(st): (float(m), float(a), int(n)) for st, m, a, n in rows},
         examples=[], alarm=None, judged=judged, level=level,
@@ -113,11 +118,14 @@ def check_arrays(
     return c if alarm is None else replace(c, alarm=alarm)
 
 
-def _check(agent: str, points: list[tuple[Episode, float]], held: Estimate | None, th: AnalysisConfig, level: float) -> HackingCheck:  # fmt: skip
+def _check(
+    agent: str, points: list[tuple[Episode, float]], held: Estimate | None, th: AnalysisConfig, level: float,
+    trend: Trend,
+) -> HackingCheck:  # fmt: skip
     c = check_arrays(
         agent, np.array([step_of(e) for e, _ in points]), np.array([s / 10 for _, s in points]),
         np.array([float(bool(e.correct)) for e, _ in points]), np.array([quality_of(e) for e, _ in points]),
-        held, th, level,
+        held, th, level, trend,
     )  # fmt: skip
     return replace(c, examples=_examples(points, th.high_score))
 
@@ -127,6 +135,7 @@ def hacking_checks(
     agents: Sequence[str],
     th: AnalysisConfig,
     evals: Sequence[Sequence[Episode]] = (),
+    trend: Trend = serial_trend,
 ) -> list[HackingCheck]:
     """One check per agent with scored actions in episodes whose outcome is known; `evals`: the run's held-out
     evaluations in step order (the accuracy the scores are held against, when there are two or more)."""
@@ -138,4 +147,4 @@ def hacking_checks(
     judged = sum(len({step_of(e) for e, _ in points[a]}) >= th.hacking_min_steps for a in present)
     level = th.alarm_alpha / max(judged, 1)
     held = held_out_rise(evals)
-    return [_check(agent, points[agent], held, th, level) for agent in present]
+    return [_check(agent, points[agent], held, th, level, trend) for agent in present]

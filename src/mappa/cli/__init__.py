@@ -1,11 +1,13 @@
 """`mappa` command line: train, eval, rollout, coach, serve, export, sandbox, trace, probe, report, blame, compare,
-dsbench.
+dsbench, config.
 
 The CLI layer is the edge: every command and all console output live in `mappa.cli.<command>`; domain
 modules return records and take an optional progress callback. This module only parses arguments and
 imports each command's module lazily, so that `mappa sandbox run` does not pay for importing torch.
-User errors (MappaError) print one line and exit 2; `mappa train` exits 3 when no agent trained on any action
-(a warning line says so); Ctrl-C exits 130.
+User errors (MappaError) print one line and exit 2, and so does an exception raised in the user's own code (a
+plug-in), named by its file and line (`mappa.plugins.user_code_error`); `--debug` or `MAPPA_DEBUG=1` prints the
+whole traceback too. `mappa train` exits 3 when no agent trained on any action (a warning line says so); Ctrl-C
+exits 130.
 """
 
 from __future__ import annotations
@@ -13,9 +15,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
+from pathlib import Path
 
 from mappa import __version__
 from mappa.errors import MappaError
+from mappa.plugins import UserCodeError, user_code_error
+
+DESCRIPTION = "Finetune a team of LLM agents with per-action rewards from a coach, and see what the team did."
+EPILOG = "`mappa COMMAND --help` shows a command's options. Errors are one line; --debug adds the whole traceback."
+DEBUG_HELP = "on an error, print the whole traceback too (also: MAPPA_DEBUG=1)"
+DEBUG_HINT = " (--debug or MAPPA_DEBUG=1: the whole traceback)"
 
 # torch's OpenMP threads spin while they wait for work. On a CPU that another process also uses (a laptop,
 # a shared CI box) the spinning threads starve each other: a batched generate on 2 cores took 102 s instead
@@ -24,19 +34,17 @@ from mappa.errors import MappaError
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def _add_set(p: argparse.ArgumentParser, metavar: str = "KEY=VALUE", example: str = "train.steps=5") -> None:
+    help_text = f"override a config field, e.g. {example} (repeatable; `mappa config show` lists every field)"
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar=metavar, help=help_text)
+
+
 def _add_config_args(p: argparse.ArgumentParser, config_required: bool = True) -> None:
     if config_required:
         p.add_argument("config", help="YAML preset, e.g. configs/demo.yaml")
     else:
         p.add_argument("--config", default=None, help="YAML preset (default: built-in defaults)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override, e.g. train.steps=5",
-    )
+    _add_set(p)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -69,10 +77,25 @@ def _cmd_coach_score(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides)
     if args.coach:
+        _check_coach_arg(args.coach)
         overrides.append(f"coach.backend={args.coach}")
     if args.no_cache:
         overrides.append("coach.cache=false")
     return score_command(load_config(args.config, overrides), episodes=args.episodes, out=args.out)
+
+
+def _check_coach_arg(name: str) -> None:
+    """`--coach NAME` checked by itself, so that its errors name `--coach` (not the config's overrides); a plug-in's
+    relative file resolves against the working directory, as with --set."""
+    from mappa.config import BUILTIN_COACHES
+    from mappa.plugins import anchor, check_coach, is_import_path, load_object
+
+    key = f"--coach {name}"
+    if name in BUILTIN_COACHES:
+        return
+    if not is_import_path(name):
+        raise MappaError(f"{key}: not one of {', '.join(BUILTIN_COACHES)}, nor a plug-in FILE.py:NAME or module:NAME")
+    check_coach(load_object(anchor(name, Path.cwd()), key), key)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -175,10 +198,10 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
 
 def _add_config_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("config", help="the resolved config with every field's help, and its JSON schema")
-    csub = p.add_subparsers(dest="config_command", required=True)
+    csub = p.add_subparsers(dest="config_command", required=True, metavar="COMMAND", title="commands")
     c = csub.add_parser("show", help="print the config (preset or defaults, then --set) as commented YAML")
     c.add_argument("config", nargs="?", default=None, help="YAML preset (default: built-in defaults)")
-    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _add_set(c)
     c.add_argument("--schema", default=None, metavar="PATH", help="also write the config's JSON schema to PATH")
     c.set_defaults(func=_cmd_config_show)
 
@@ -196,7 +219,7 @@ def _add_analysis_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="an HTML report of one or more runs, rebuilt from their files")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     p.add_argument("--out", default=None, metavar="FILE.html", help="default: RUN_DIR/report.html")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="analysis.KEY=VALUE")
+    _add_set(p, "analysis.KEY=VALUE", "analysis.bias_gap=1.5")
     p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("blame", help="failed episodes by the agent the coach scored lowest, and the kind of failure")
@@ -213,14 +236,14 @@ def _add_analysis_commands(sub: argparse._SubParsersAction) -> None:
 
 def _add_dsbench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("dsbench", help="the offline mini-DSBench: Kaggle-style tabular tasks (docs/dsbench.md)")
-    dsub = p.add_subparsers(dest="dsbench_command", required=True)
+    dsub = p.add_subparsers(dest="dsbench_command", required=True, metavar="COMMAND", title="commands")
     d = dsub.add_parser("build", help="build the benchmark into a directory (byte-identical for one seed)")
-    d.add_argument("--out", required=True, metavar="DIR")
+    d.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) directory for the benchmark")
     d.add_argument("--seed", type=int, default=42, help="split and sampling seed")
     d.add_argument("--only", nargs="+", default=[], metavar="ID", help="build only these task ids")
     d.set_defaults(func=_cmd_dsbench)
     d = dsub.add_parser("list", help="the catalogue, or with --dir a built benchmark's tasks and scores")
-    d.add_argument("--dir", default=None, metavar="DIR")
+    d.add_argument("--dir", default=None, metavar="DIR", help="a built benchmark (mappa dsbench build --out DIR)")
     d.set_defaults(func=_cmd_dsbench)
 
 
@@ -228,8 +251,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible server for a base model and trained agent adapters")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
     p.add_argument("--adapters", default=None, metavar="DIR", help="checkpoint dir with one adapter per agent")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--max-batch", type=int, default=16, help="most requests decoding in one batch at once")
     p.add_argument(
         "--threads", type=int, default=None, help="CPU threads for the model (default: torch's, one per core)"
@@ -267,13 +290,14 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mappa", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="mappa", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"mappa {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
 
     p = sub.add_parser("train", help="train a team of agents with per-action coach rewards")
     p.add_argument("config", nargs="?", default=None, help="YAML preset (omit with --resume)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _add_set(p)
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run from its last checkpoint")
     ray_help = "rollout workers and a trainer per agent on Ray: a new local cluster, the running one, or its address"
     p.add_argument("--ray", default=None, metavar="local|auto|ADDRESS", help=ray_help + " (docs/scale.md)")
@@ -288,23 +312,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rollout", help="run episodes of the configured workflow and write them as JSONL")
     _add_config_args(p)
     p.add_argument("--episodes", type=int, default=8, help="number of episodes")
-    p.add_argument("--out", required=True, metavar="FILE.jsonl")
+    p.add_argument("--out", required=True, metavar="FILE.jsonl", help="where to write the episodes, one a line")
     p.set_defaults(func=_cmd_rollout)
 
-    p = sub.add_parser("coach", help="coach utilities")
-    csub = p.add_subparsers(dest="coach_command", required=True)
+    p = sub.add_parser("coach", help="score recorded episodes again, with any coach (replay: no generation)")
+    csub = p.add_subparsers(dest="coach_command", required=True, metavar="COMMAND", title="commands")
     c = csub.add_parser("score", help="score recorded episodes with a coach (replay; no generation)")
     c.add_argument("episodes", metavar="EPISODES.jsonl")
     _add_config_args(c, config_required=False)
-    c.add_argument("--coach", default=None, help="backend: rubric | outcome | openai | local")
+    c.add_argument(
+        "--coach",
+        default=None,
+        metavar="NAME",
+        help="rubric | outcome | openai | local, or a plug-in FILE.py:NAME or module:NAME (a reward function, a "
+        "coach class or instance, or a factory; docs/your-team.md); default: the config's coach.backend",
+    )
     c.add_argument("--no-cache", action="store_true", help="bypass the judgment cache")
-    c.add_argument("--out", required=True, metavar="SCORED.jsonl")
+    c.add_argument("--out", required=True, metavar="SCORED.jsonl", help="the episodes with every action scored again")
     c.set_defaults(func=_cmd_coach_score)
 
     _add_serve_parser(sub)
 
-    p = sub.add_parser("sandbox", help="the agents' code tool")
-    ssub = p.add_subparsers(dest="sandbox_command", required=True)
+    p = sub.add_parser("sandbox", help="the agents' code tool: run a Python file in the sandbox")
+    ssub = p.add_subparsers(dest="sandbox_command", required=True, metavar="COMMAND", title="commands")
     s = ssub.add_parser("run", help="run a Python file in the sandbox and print the ExecResult as JSON")
     s.add_argument("file")
     s.add_argument("--timeout", type=float, default=10.0, help="wall-clock limit in seconds")
@@ -330,19 +360,47 @@ def build_parser() -> argparse.ArgumentParser:
     _add_analysis_commands(sub)
     _add_dsbench_parser(sub)
     _add_config_parser(sub)
+    _add_debug(parser)
     return parser
+
+
+def _add_debug(parser: argparse.ArgumentParser) -> None:
+    """`--debug` after any command too (`mappa train CONFIG --debug`); SUPPRESS keeps the top-level value when a
+    command does not give it."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+                _add_debug(command)
+
+
+def _error(e: MappaError, debug: bool) -> int:
+    """One line for an error the user can fix; with `debug`, the whole traceback above it (for an error in the
+    user's code: the traceback of the exception their code raised)."""
+    if debug:
+        traceback.print_exception(e.original if isinstance(e, UserCodeError) else e)
+    if isinstance(e, UserCodeError):
+        print(f"mappa: {e}{'' if debug else DEBUG_HINT}", file=sys.stderr)
+    else:
+        print(f"mappa: error: {e}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    debug = args.debug or os.environ.get("MAPPA_DEBUG", "") not in ("", "0")
     try:
         return int(args.func(args) or 0)
     except MappaError as e:
-        print(f"mappa: error: {e}", file=sys.stderr)
-        return 2
+        return _error(e, debug)
     except KeyboardInterrupt:
         print("mappa: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        located = user_code_error(e)
+        if located is None:  # mappa's own fault, or a library's under it: the traceback is the report
+            raise
+        return _error(located, debug)
 
 
 if __name__ == "__main__":

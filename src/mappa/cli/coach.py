@@ -1,4 +1,9 @@
-"""`mappa coach score EPISODES.jsonl --coach ... --out SCORED.jsonl`: score recorded rollouts again, print accounting."""
+"""`mappa coach score EPISODES.jsonl --coach ... --out SCORED.jsonl`: score recorded rollouts again, print accounting.
+
+`--coach` is a built-in backend or a plug-in (`rewards.py:score`, a reward function, a coach class, instance or
+factory; docs/your-team.md). A terminal shows a transient bar while the coach scores; a log that is not a terminal
+gets a few progress lines (`mappa.progress`).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from rich.table import Table
 
 from mappa.config import Config
 from mappa.errors import MappaError
+from mappa.progress import ProgressLines
 from mappa.types import Episode, read_jsonl, write_jsonl
 
 __all__ = ["score_command"]
@@ -57,14 +63,23 @@ def score_command(cfg: Config, episodes: str | Path, out: str | Path) -> int:
         raise MappaError(f"{episodes}: no episodes")
     console = Console(stderr=True)
     runner = build_coach(cfg.coach, recorded[0].workflow)
-    columns = (TextColumn(f"coach ({cfg.coach.backend})"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    label = f"coach {cfg.coach.backend}"
     try:
-        with Progress(*columns, console=console, transient=True) as bar:  # the table below keeps the numbers
-            task = bar.add_task("score", total=sum(len(ep.actions) for ep in recorded))
-            scored = score_episodes(runner, recorded, cfg, lambda done, total: bar.update(task, completed=done))
+        if console.is_terminal:
+            columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            with Progress(*columns, console=console, transient=True) as bar:  # the table below keeps the numbers
+                task = bar.add_task("score", total=sum(len(ep.actions) for ep in recorded))
+                scored = score_episodes(runner, recorded, cfg, lambda done, total: bar.update(task, completed=done))
+        else:
+            lines = ProgressLines(
+                lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True), unit="actions"
+            )
+            lines.start(f"{label}: scoring")
+            scored = score_episodes(runner, recorded, cfg, lines)
     finally:
         runner.close()
     write_jsonl(out, scored)
-    title = f"coach {cfg.coach.backend} ({runner.coach.model}) on {len(scored)} episodes -> {out}"
+    model = f" ({runner.coach.model})" if runner.coach.model else ""
+    title = f"{label}{model} on {len(scored)} episodes -> {out}"
     console.print(_table(title, scored, runner.stats()))
     return 0

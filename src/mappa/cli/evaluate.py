@@ -7,6 +7,7 @@ tasks DSBench's gap and reference fraction, and the paper's fair figures beside 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +21,7 @@ from mappa.config import Config
 from mappa.errors import MappaError
 from mappa.evaluate import eval_tasks, evaluate, policy_dir, write_eval
 from mappa.metrics import PAPER_FIGURES, sources, wilson_interval
+from mappa.progress import ProgressLines
 from mappa.protocols import ProgressFn
 from mappa.tracking import run_dir_problem
 
@@ -28,7 +30,15 @@ COLUMNS = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), 
 
 @contextmanager
 def action_bar(console: Console, label: str) -> Iterator[ProgressFn]:
-    """A transient bar of actions played, as a `(done, total)` progress callback."""
+    """A transient bar of actions played, as a `(done, total)` progress callback; in a log that is not a terminal,
+    a few lines (`mappa.progress`)."""
+    if not console.is_terminal:
+        lines = ProgressLines(
+            lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True), unit="actions"
+        )
+        lines.start(label)
+        yield lines
+        return
     with Progress(*COLUMNS, console=console, transient=True) as bar:
         task = bar.add_task(label, total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)
@@ -123,8 +133,23 @@ def default_out(weights: Path | None) -> Path:
     return run_dir / "eval"
 
 
+def checkpoint_step(weights: Path | None) -> int | None:
+    """The training step of the weights evaluated: 0 for the base model, else the checkpoint's (its state.json, else
+    its `step-N` name), so that a standalone evaluation's summary row sits on the run's step axis. None: weights
+    that are no checkpoint of a run (exported adapters, say)."""
+    if weights is None:
+        return 0
+    ckpt = weights.parent if weights.name == "policy" else weights
+    try:
+        return int(json.loads((ckpt / "state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        number = ckpt.name.removeprefix("step-")
+        return int(number) if number != ckpt.name and number.isdigit() else None
+
+
 def eval_command(cfg: Config, checkpoint: str | None, out: str | None) -> int:
-    """`mappa eval`: evaluate the base model (no --checkpoint) or a trained checkpoint; writes JSONL."""
+    """`mappa eval`: evaluate the base model (no --checkpoint) or a trained checkpoint; writes JSONL, and a summary
+    row with the step the weights were trained to."""
     console = Console(stderr=True)
     weights = policy_dir(Path(checkpoint)) if checkpoint is not None else None  # a typo fails before loading
     out_dir = Path(out) if out else default_out(weights)
@@ -132,14 +157,16 @@ def eval_command(cfg: Config, checkpoint: str | None, out: str | None) -> int:
     from mappa.rollout import build_kit
     from mappa.workflows import build_workflow
 
-    agents = build_workflow(cfg).agents
+    workflow = build_workflow(cfg)
+    agents = workflow.agents
     tasks = eval_tasks(cfg)
     tag = "base" if weights is None else weights.name if weights.name != "policy" else weights.parent.name
     with console.status(f"loading {cfg.model.name if weights is None else weights}"):
         kit = build_kit(cfg, agents, weights=weights, coach=False)  # no coach: accuracy is the rule-based check
     with kit, action_bar(console, "evaluating") as progress:
-        metrics, episodes = evaluate(cfg, kit.policy, kit.sandbox, tasks, progress=progress)
-    write_eval(out_dir, tag, metrics, episodes)
+        metrics, episodes = evaluate(cfg, workflow, kit.generator, kit.sandbox, tasks, progress=progress)
+    step = checkpoint_step(weights)
+    write_eval(out_dir, tag, metrics if step is None else {"step": step, **metrics}, episodes)
     print_eval(console, f"eval {tag}: {len(tasks)} tasks x {cfg.eval.samples}", metrics, agents)
     console.print(f"wrote {out_dir / (tag + '.jsonl')}")
     return 0

@@ -1,7 +1,7 @@
 """`mappa rollout CONFIG --episodes N --out FILE.jsonl`: play episodes with the configured coach.
 
-Loads the configured agents, draws `--episodes` training tasks (seeded), plays them in lockstep batches of
-`generation.batch_size` with the coach scoring every action, appends one JSON line per episode to the output
+Loads the configured agents, draws `--episodes` training tasks (seeded), plays them in calls of
+`generation.batch_size` episodes (each call's episodes at once) with the coach scoring every action, appends one JSON line per episode to the output
 as each batch finishes, and prints a summary table.
 """
 

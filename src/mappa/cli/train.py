@@ -1,11 +1,12 @@
 """`mappa train CONFIG [--set k=v]` or `mappa train --resume RUN_DIR [--set k=v]`: the command and its console.
 
-During the run: one status line for what is under way, the self-test's lines, an evaluation table at the
-start, every `train.eval_every` steps and the end, and one line per step (train accuracy, each agent's mean
-coach score, loss / KL, optimizer steps, clip fraction, seconds), and after it one line per agent that trained
-on no action in that step, with why (actions cut off at the token cap, unscored, ...). At the end, the held-out
-accuracy before and after with Wilson 95% intervals, and the gain with a 95% interval paired by task
-(Agresti-Min), so a gain can be told from noise. The first line names the sandbox's confinement, the next the
+During the run: what is under way (in a terminal a transient bar of the actions played; in a log that is not a
+terminal, a line per phase and a few progress lines within it, `mappa.progress`), the self-test's lines, an
+evaluation table at the start, every `train.eval_every` steps and the end, and one line per step (train accuracy,
+each agent's mean coach score, loss / KL, optimizer steps, clip fraction, seconds), and after it one line per
+agent that trained on no action in that step, with why (actions cut off at the token cap, unscored, ...). At the
+end, the held-out accuracy before and after with Wilson 95% intervals, and the gain with a 95% interval paired by
+task (Agresti-Min), so a gain can be told from noise. The first line names the sandbox's confinement, the next the
 run directory. A run in which no agent trained on any action ends with a warning line and exit code 3. Ctrl-C
 ends with the step that is saved and the exact command that continues the run (exit code 130).
 """
@@ -26,6 +27,7 @@ from mappa.cli.evaluate import COLUMNS, print_eval
 from mappa.config import Config
 from mappa.errors import MappaError
 from mappa.metrics import Gain
+from mappa.progress import ProgressLines
 from mappa.rewards import no_training_reason, untrained_groups
 from mappa.tracking import is_run_dir, run_config
 from mappa.trainer import Event, TrainResult
@@ -53,11 +55,18 @@ class Printer:
         self.bar: Progress | None = None
         self.task: TaskID | None = None
         self.run_dir: Path | None = None  # once the run has named it
+        self.lines = ProgressLines(self.line, unit="actions")  # progress where no bar can be drawn
+
+    def line(self, text: str) -> None:
+        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
     def show(self, label: str) -> None:
-        """What is under way, on a transient bar (nothing stays on screen; none at all in a piped log)."""
+        """What is under way: a transient bar in a terminal (nothing stays on screen); in a log that is not a
+        terminal (CI, nohup), a line, after which the phase's progress comes as lines."""
         self.stop_bar()
         if not self.console.is_terminal:
+            self.line(label)
+            self.lines.start(label)
             return
         self.bar = Progress(*COLUMNS, console=self.console, transient=True)
         self.bar.start()
@@ -65,6 +74,9 @@ class Printer:
 
     def progress(self, done: int, total: int) -> None:
         """Actions played of the episodes under way."""
+        if not self.console.is_terminal:
+            self.lines(done, total)
+            return
         if self.bar is None or self.task is None:
             self.show("playing episodes")
         if self.bar is not None and self.task is not None:

@@ -3,9 +3,9 @@
 A coach is a small async protocol (`mappa.protocols.Coach`: `score(context) -> CoachScore`); the
 backends live in one explicit dict, `COACHES`. `build_coach` wraps the chosen backend in a
 `CoachRunner`, which adds what every backend needs alike: a concurrency limit, the SQLite judgment
-cache, accounting (calls, cache hits, retries, failures, unscored, truncated contexts, latency,
-tokens, cost), and the score caps the evidence carries (`mappa.coach.caps`), enforced in code on
-every backend's score rather than left to the coach's compliance.
+cache, accounting (calls, cache hits, retries, failures, unscored, replies cut at the token cap, replies
+without log-probs, truncated contexts, latency, tokens, cost), and the score caps the evidence carries
+(`mappa.coach.caps`), enforced in code on every backend's score rather than left to the coach's compliance.
 
 Unscored is a first-class outcome, and the coach's alone: when a reply has no score line after one
 follow-up, or the endpoint fails after its retries, `CoachScore.score` is None. Nothing invents a 5.0; the
@@ -101,19 +101,25 @@ class CoachRunner:
 
     def stats(self) -> dict[str, float]:
         """Accounting since construction or the last `reset_stats()` (log it as `coach/<key>`)."""
-        c = self.coach.counters
+        c, b = self.coach.counters, self._base
+        replies = c.replies - b.replies
+        cut = c.cut_replies - b.cut_replies
         cost = (
             self._prompt_tokens * self.cfg.price_prompt_per_m
             + self._completion_tokens * self.cfg.price_completion_per_m
         ) / 1e6
         return {
             "judgments": float(self._judgments),
-            "calls": float(c.calls - self._base.calls),
+            "calls": float(c.calls - b.calls),
             "cache_hits": float(self._cache_hits),
-            "retries": float(c.retries - self._base.retries),
-            "failures": float(c.failures - self._base.failures),
+            "retries": float(c.retries - b.retries),
+            "failures": float(c.failures - b.failures),
             "unscored": float(self._unscored),
             "unscored_rate": self._unscored / self._judgments if self._judgments else 0.0,
+            "replies": float(replies),
+            "cut_replies": float(cut),
+            "cut_rate": cut / replies if replies else 0.0,
+            "replies_without_logprobs": float(c.replies_without_logprobs - b.replies_without_logprobs),
             "truncated_contexts": float(self._truncated),
             "latency_p50_s": _percentile(self._latencies, 0.5),
             "latency_p95_s": _percentile(self._latencies, 0.95),
@@ -130,6 +136,8 @@ class CoachRunner:
         # The variant keeps judgments made with different decoding settings apart.
         cfg = self.cfg
         variant = f"t={cfg.temperature:g};es={int(cfg.expected_score)};mt={cfg.max_tokens}"
+        if cfg.thinking_budget is not None or cfg.reasoning_effort:  # unset: the keys judgments had before
+            variant += f";think={cfg.thinking_budget};effort={cfg.reasoning_effort}"
         # A budget changes what the coach is shown: the backend's effective one (its default when unset).
         context = getattr(self.coach, "context_tokens", None) or cfg.max_context_tokens
         if context is not None:
@@ -231,6 +239,9 @@ class CoachRunner:
     def close(self) -> None:
         if self._loop is not None:
             loop = self._loop
+            # Judgments still in flight (a run interrupted mid-step) are cancelled and awaited first: a task left
+            # pending in a closed loop is reported on stderr after the run's last line.
+            asyncio.run_coroutine_threadsafe(_cancel_others(), loop).result()
             asyncio.run_coroutine_threadsafe(self.coach.aclose(), loop).result()
             loop.call_soon_threadsafe(loop.stop)
             if self._thread is not None:
@@ -247,6 +258,14 @@ class CoachRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def _cancel_others() -> None:
+    """Cancel every other task of the running loop and wait until they have ended."""
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in others:
+        t.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
 
 
 def _rubric(cfg: CoachConfig, template: Template, policy: Policy | None) -> Coach:

@@ -12,9 +12,11 @@ produce it. The rule, in this function for every model-backed coach:
 - the action scores `WORST_SCORE` when nothing judgeable is left of it: an output with no visible text,
   evidence that does not fit even cut to `MIN_FIELD_CHARS` a field, or replies that stay without an
   unambiguous verdict while the action's own text holds the verdict's markers (which the coach then quotes);
-- only the coach's own failures leave it unscored: the endpoint failing after its retries, or no verdict
-  after the follow-up with no marker in the action's text. A setting under which no action can be judged (a
-  budget smaller than the template, an endpoint context smaller than the budget) stops the run.
+- only the coach's own failures leave it unscored: the endpoint failing after its retries, no verdict after the
+  follow-up with no marker in the action's text, or a reply cut at the token cap also when asked again with twice
+  the room (`coach.max_tokens`, `coach.thinking_budget`: a thinking model spends its thinking inside the cap). A
+  setting under which no action can be judged (a budget smaller than the template, an endpoint context smaller than
+  the budget) stops the run.
 Text no coach could read (control characters, lone surrogates) is escaped before any coach or the cache sees
 it (`CoachRunner`, `mappa.coach.prompts.readable_context`).
 
@@ -25,6 +27,7 @@ count a prompt's tokens (`ChatCoach`).
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -54,6 +57,9 @@ from mappa.types import CoachContext, CoachScore
 # counted as failures and not cached, so a later run asks again.
 REQUEST_FAILED = "request failed"
 NO_VERDICT = "no PROCESS_SCORE line, also after the follow-up"
+# A reply the token cap cut before its verdict, asked again with this many times the written reply's room.
+CUT_VERDICT = "no PROCESS_SCORE line: the reply was cut at the token cap"
+CUT_ROOM_FACTOR = 2
 # The error of a judgment cached before evidence over the budget was cut to fit: the runner asks again.
 EVIDENCE_TOO_LONG = "evidence too long"
 WORST_SCORE = 0.0
@@ -69,6 +75,7 @@ class Reply:
     tokens: tuple[TokenLogprob, ...] | None = None  # per generated token, when logprobs were returned
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cut: bool = False  # stopped by the token cap (finish_reason "length"), not by the model
 
 
 def _expected_or(tokens: tuple[TokenLogprob, ...], parsed: float) -> float:
@@ -76,7 +83,9 @@ def _expected_or(tokens: tuple[TokenLogprob, ...], parsed: float) -> float:
     return parsed if value is None else value
 
 
-Complete = Callable[[ChatMessages], Awaitable[Reply]]
+# complete(messages) or complete(messages, reply_tokens): one reply, the written part within `reply_tokens`
+# (default coach.max_tokens) on top of the thinking budget.
+Complete = Callable[..., Awaitable[Reply]]
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,21 @@ def superseded(ctx: CoachContext, cached: CoachScore) -> bool:
     )
 
 
+@dataclass
+class _Asked:
+    """What one judgment's requests returned so far: the raw text of its replies and their token counts."""
+
+    raw: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, reply: Reply, label: str) -> Reply:
+        self.raw = f"{self.raw}\n\n[{label}]\n{reply.text}" if label else reply.text
+        self.prompt_tokens += reply.prompt_tokens
+        self.completion_tokens += reply.completion_tokens
+        return reply
+
+
 async def judge(
     ctx: CoachContext,
     template: Template,
@@ -131,12 +155,15 @@ async def judge(
     backend: str,
     model: str,
     use_expected: bool,
+    retry_tokens: int,
     fit: Fit = NO_LIMIT,
 ) -> CoachScore:
-    """Score one action. Never raises for endpoint trouble: failures come back unscored with an error."""
+    """Score one action. Never raises for endpoint trouble: failures come back unscored with an error.
+
+    `retry_tokens`: the written reply's room when a reply the token cap cut before its verdict is asked again.
+    """
     t0 = time.perf_counter()
-    prompt_tokens = completion_tokens = 0
-    raw = ""
+    asked = _Asked()
     final = ctx.is_final and ctx.ground_truth is not None
     # Both deterministic, so cached like any judgment (a larger budget is a new key); no request is made.
     if not _visible(ctx.output):
@@ -154,39 +181,49 @@ async def judge(
         return CoachScore(
             score=score,
             rationale=note + why + (rationale_of(text) if text else ""),
-            raw_reply=raw,
+            raw_reply=asked.raw,
             error=error,
             answer_correct=parse_answer_correct(text) if final else None,
             latency_s=time.perf_counter() - t0,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
+            prompt_tokens=asked.prompt_tokens,
+            completion_tokens=asked.completion_tokens,
             backend=backend,
             model=model,
             truncated_inputs=cut.messages,
         )
 
-    try:
-        reply = await complete(messages)
-    except RequestFailed as e:
-        return result(None, f"{REQUEST_FAILED}: {e}", "")
-    prompt_tokens, completion_tokens = reply.prompt_tokens, reply.completion_tokens
-    raw = reply.text
-    score = parse_score(reply.text)
-    if score is not None:
+    def scored(score: float, reply: Reply, text: str) -> CoachScore:
         if use_expected and reply.tokens:
             score = _expected_or(reply.tokens, score)
-        return result(score, None, reply.text)
+        return result(score, None, text)
+
+    try:
+        reply = asked.add(await complete(messages), "")
+    except RequestFailed as e:
+        return result(None, f"{REQUEST_FAILED}: {e}", "")
+    score = parse_score(reply.text)
+    if score is None and reply.cut:
+        # The cap stopped the reply before its verdict (a thinking model may have spent it thinking): the same
+        # request once more with more room for the written reply. A reply cut again is not followed up, which
+        # would be cut as well.
+        try:
+            reply = asked.add(await complete(messages, retry_tokens), f"asked again with room for {retry_tokens}")
+        except RequestFailed as e:
+            return result(None, f"{REQUEST_FAILED} on asking again with more room: {e}", reply.text)
+        score = parse_score(reply.text)
+        if score is None and reply.cut:
+            why = f"{CUT_VERDICT}, also with room for a {retry_tokens}-token reply (coach.max_tokens, thinking_budget)"
+            return result(None, why, reply.text)
+    if score is not None:
+        return scored(score, reply, reply.text)
 
     # No unambiguous verdict (none, only mid-text, or contradicted by a quoted score): one follow-up asking for
     # exactly the required lines; the first reply stays as the rationale.
     follow = [*messages, {"role": "assistant", "content": reply.text}, follow_up_message(final)]
     try:
-        second = await complete(follow)
+        second = asked.add(await complete(follow), "follow-up reply")
     except RequestFailed as e:
         return result(None, f"{REQUEST_FAILED} on the follow-up: {e}", reply.text)
-    prompt_tokens += second.prompt_tokens
-    completion_tokens += second.completion_tokens
-    raw = f"{reply.text}\n\n[follow-up reply]\n{second.text}"
     score = parse_score(second.text)
     if score is None:
         if holds_marker(own_text(ctx)):  # the action wrote the verdict's markers, which the coach echoes
@@ -194,20 +231,19 @@ async def judge(
             return result(WORST_SCORE, None, reply.text, why)
         # "line": a verdict line (parse.verdict); a score only quoted or contradicted mid-reply is none.
         return result(None, NO_VERDICT, reply.text)
-    if use_expected and second.tokens:
-        score = _expected_or(second.tokens, score)
-    text = reply.text if reply.text.strip() else second.text
-    scored = result(score, None, text)
-    if scored.answer_correct is None and final:
-        scored = scored.model_copy(update={"answer_correct": parse_answer_correct(second.text)})
-    return scored
+    judged = scored(score, second, reply.text if reply.text.strip() else second.text)
+    if judged.answer_correct is None and final:
+        judged = judged.model_copy(update={"answer_correct": parse_answer_correct(second.text)})
+    return judged
 
 
 class ChatCoach:
     """A coach backed by a chat model: `judge` over the backend's `complete`, within its context budget.
 
-    Subclasses set `name`, `model`, `cfg`, `template`, `fit` and `context_tokens`, and implement `complete` and
-    `aclose`.
+    Subclasses set `name`, `model`, `cfg`, `template`, `fit`, `context_tokens` and `endpoint`, and implement
+    `complete` and `aclose`. Every reply passes through here: counted (replies, cut at the token cap, without the
+    log-probs the expected score needs), and an endpoint that gives no log-probs although `coach.expected_score` asks
+    for them is named once, in a warning, rather than once per action or never.
     """
 
     name: str
@@ -216,6 +252,7 @@ class ChatCoach:
     template: Template
     fit: Fit = NO_LIMIT
     context_tokens: int | None = None  # the context budget in force (coach.max_context_tokens or the default)
+    endpoint: str = ""  # where replies come from, as a warning names it
     cacheable = True
 
     def __init__(self, cfg: CoachConfig, template: Template) -> None:
@@ -223,31 +260,55 @@ class ChatCoach:
         self.template = template
         self.version = template.version
         self.counters = CallCounters()
+        self._warned_logprobs = False
 
     def prompt_budget(self, context_tokens: int | None, count: Callable[[ChatMessages], int]) -> int | None:
-        """Prompt tokens left in a context of `context_tokens` once room is kept for the reply and for the
-        follow-up exchange (that reply, the follow-up question and the second reply): a follow-up that overflowed
-        would leave exactly the actions with the most evidence unscored."""
+        """Prompt tokens left in a context of `context_tokens` once room is kept for the longest exchange: the
+        thinking budget, and a first reply asked again with twice the room whose follow-up (that reply, the question
+        and a second reply) must fit too. A follow-up that overflowed would leave exactly the actions with the most
+        evidence unscored."""
         if context_tokens is None:
             return None
-        budget = context_tokens - 2 * self.cfg.max_tokens - count([follow_up_message(True)])
+        mt = self.cfg.max_tokens
+        kept = self.cfg.thinking_tokens + (CUT_ROOM_FACTOR + 1) * mt
+        budget = context_tokens - kept - count([follow_up_message(True)])
         if budget < 64:
             raise MappaError(
-                f"coach.max_context_tokens: {context_tokens} leaves {budget} tokens for the prompt after twice "
-                f"coach.max_tokens={self.cfg.max_tokens} and the follow-up question"
+                f"coach.max_context_tokens: {context_tokens} leaves {budget} tokens for the prompt after room for "
+                f"coach.thinking_budget ({self.cfg.thinking_tokens}), {CUT_ROOM_FACTOR + 1} x coach.max_tokens={mt} "
+                "(a reply asked again with more room, then followed up) and the follow-up question"
             )
         return budget
 
-    async def complete(self, messages: ChatMessages) -> Reply:
+    async def complete(self, messages: ChatMessages, reply_tokens: int | None = None) -> Reply:
         raise NotImplementedError
+
+    async def _complete_counted(self, messages: ChatMessages, reply_tokens: int | None = None) -> Reply:
+        reply = await self.complete(messages, reply_tokens)
+        c = self.counters
+        c.replies += 1
+        c.cut_replies += reply.cut
+        if self.cfg.expected_score and reply.tokens is None:
+            c.replies_without_logprobs += 1
+            if not self._warned_logprobs:
+                self._warned_logprobs = True
+                warnings.warn(
+                    f"mappa coach: coach.expected_score is on, but {self.endpoint or self.name} gives no token "
+                    f"log-probs for {self.model!r}: every score is the number the coach wrote (the sampled score). "
+                    "Set coach.expected_score: false to ask for that.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        return reply
 
     async def score(self, ctx: CoachContext) -> CoachScore:
         return await judge(
             ctx,
             self.template,
-            self.complete,
+            self._complete_counted,
             backend=self.name,
             model=self.model,
             use_expected=self.cfg.expected_score,
+            retry_tokens=CUT_ROOM_FACTOR * self.cfg.max_tokens,
             fit=self.fit,
         )

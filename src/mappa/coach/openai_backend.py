@@ -11,6 +11,11 @@ Every prompt is counted offline (`mappa.coach.tokens`) and fitted to a context b
 an agent (thousands of file names, a huge output) is cut to fit instead of sent whole. An endpoint that still
 answers that a prompt exceeds its context (HTTP 400) has a smaller context than the budget: that stops the
 run, since only the actions with the most evidence would go unscored.
+
+A thinking model spends its thinking inside the request's token cap, so the cap is the thinking budget plus the
+written reply's room (`coach.thinking_budget` + `coach.max_tokens`), and the budget and effort go out as each API
+names them (`token_fields`); which API is read from `coach.base_url` (`thinking_api`). A reply that stopped at the
+cap (finish_reason "length") is marked cut, and `judge` asks again with more room.
 """
 
 from __future__ import annotations
@@ -43,6 +48,57 @@ DEFAULT_CONTEXT_TOKENS = 32_768
 _CONTEXT_OVERFLOW_RE = re.compile(
     r"context[ _]?(?:length|window|is \d)|maximum context|too long|too many tokens|exceeds the maximum", re.IGNORECASE
 )
+
+
+def _host_in(url: str, domain: str) -> bool:
+    host = urlparse(url).hostname or ""
+    return host == domain or host.endswith("." + domain)
+
+
+def thinking_api(base_url: str) -> str:
+    """How the endpoint names the thinking settings: "gemini" (Google's OpenAI-compatible API, Vertex's too),
+    "anthropic" (Anthropic's OpenAI SDK layer), else "openai" (OpenAI, vLLM, SGLang, Ollama, mappa serve, gateways)."""
+    if _host_in(base_url, "googleapis.com"):
+        return "gemini"
+    if _host_in(base_url, "anthropic.com"):
+        return "anthropic"
+    return "openai"
+
+
+def token_fields(cfg: CoachConfig, api: str, reply_tokens: int | None = None) -> dict[str, Any]:
+    """The request body's fields that cap the reply and set the thinking, as `api` names them.
+
+    Without thinking settings the request is as ever (`max_tokens`). With them the cap is the thinking room plus the
+    written reply's (`reply_tokens`, default coach.max_tokens): OpenAI's reasoning models take it only as
+    `max_completion_tokens` and take no budget; Gemini takes a budget in `extra_body.google.thinking_config` (the
+    JSON field really is named extra_body), or an effort; Anthropic takes `thinking.budget_tokens` and ignores the
+    effort.
+    """
+    room = cfg.max_tokens if reply_tokens is None else reply_tokens
+    if cfg.thinking_budget is None and not cfg.reasoning_effort:
+        return {"max_tokens": room}
+    fields: dict[str, Any] = {"max_completion_tokens" if api == "openai" else "max_tokens": cfg.reply_cap(room)}
+    if cfg.reasoning_effort:
+        fields["reasoning_effort"] = cfg.reasoning_effort
+    budget = cfg.thinking_budget
+    if budget is not None and api == "gemini":
+        fields["extra_body"] = {"google": {"thinking_config": {"thinking_budget": budget}}}
+    elif budget is not None and api == "anthropic":
+        fields["thinking"] = {"type": "enabled", "budget_tokens": budget} if budget else {"type": "disabled"}
+    return fields
+
+
+def check_thinking(cfg: CoachConfig, api: str) -> None:
+    """Thinking settings the endpoint would refuse stop the run before any request, naming the field."""
+    if api == "gemini" and cfg.thinking_budget is not None and cfg.reasoning_effort:
+        raise MappaError(
+            "coach.reasoning_effort: Gemini takes either it or coach.thinking_budget, not both (its efforts are "
+            "thinking budgets: low 1024, medium 8192, high 24576 tokens)"
+        )
+    if api == "anthropic" and cfg.thinking_budget is not None and 0 < cfg.thinking_budget < 1024:
+        raise MappaError(
+            f"coach.thinking_budget: Anthropic takes at least 1024 (or 0: thinking off), not {cfg.thinking_budget}"
+        )
 
 
 def is_loopback(url: str) -> bool:
@@ -94,7 +150,9 @@ class OpenAICoach(ChatCoach):
         self.context_tokens = cfg.max_context_tokens or DEFAULT_CONTEXT_TOKENS
         count, self.counted_by, specials = token_counter(cfg.tokenizer, cfg.model)
         self.fit = Fit(self.prompt_budget(self.context_tokens, count), count, specials)
-        self.base_url = cfg.base_url or OPENAI_URL
+        self.base_url = self.endpoint = cfg.base_url or OPENAI_URL
+        self.api = thinking_api(self.base_url)
+        check_thinking(cfg, self.api)
         key = os.environ.get(cfg.api_key_env, "")
         if not key:
             if not is_loopback(self.base_url):
@@ -121,18 +179,15 @@ class OpenAICoach(ChatCoach):
     def _backoff(self, attempt: int) -> float:
         return random.uniform(0.0, min(self.backoff_cap_s, self.backoff_base_s * 2**attempt))
 
-    async def _request(self, messages: ChatMessages) -> Any:
-        kwargs: dict[str, Any] = {
-            "model": self.model,
-            "messages": messages,
-            "temperature": self.cfg.temperature,
-            "max_tokens": self.cfg.max_tokens,
-        }
+    async def _request(self, messages: ChatMessages, reply_tokens: int | None) -> Any:
+        kwargs: dict[str, Any] = {"model": self.model, "messages": messages, "temperature": self.cfg.temperature}
         if self._logprobs:
             kwargs.update(logprobs=True, top_logprobs=TOP_LOGPROBS)
-        return await self._client().chat.completions.create(**kwargs)
+        # The cap and thinking fields go into the JSON body as written, whatever the SDK calls them.
+        extra = token_fields(self.cfg, self.api, reply_tokens)
+        return await self._client().chat.completions.create(**kwargs, extra_body=extra)
 
-    async def complete(self, messages: ChatMessages) -> Reply:
+    async def complete(self, messages: ChatMessages, reply_tokens: int | None = None) -> Reply:
         """One chat completion with retries; raises RequestFailed when it gives up."""
         last = ""
         attempt = 0
@@ -141,7 +196,7 @@ class OpenAICoach(ChatCoach):
             wait: float | None = None
             asked_logprobs = self._logprobs
             try:
-                resp = await self._request(messages)
+                resp = await self._request(messages, reply_tokens)
             except openai.APIStatusError as e:
                 code = e.status_code
                 if code == 400 and asked_logprobs and "logprob" in str(e).lower():
@@ -219,4 +274,5 @@ def _to_reply(resp: Any) -> Reply:
         tokens=tokens,
         prompt_tokens=usage.prompt_tokens if usage else 0,
         completion_tokens=usage.completion_tokens if usage else 0,
+        cut=choice.finish_reason == "length",
     )

@@ -144,12 +144,9 @@ class RolloutWorker:
         self.kit = _kit(cfg, agents, device, cpus, workflow=self.workflow.name, generator=True, run_dir=Path(run_dir))
 
     def play(self, tasks: Sequence[Task], seed: int) -> tuple[list[Episode], dict[str, float]]:
-        """Episodes of `tasks` (as the local loop plays them) and the generation server's counters, if any."""
-        from mappa.generation import ServerPolicy
-
-        generator = self.kit.generator
-        episodes = self.workflow.run(tasks, self.kit.runtime(), seed=seed)
-        return episodes, generator.stats() if isinstance(generator, ServerPolicy) else {}
+        """Episodes of `tasks` (as the local loop plays them) and the generator's counters."""
+        episodes = self.kit.play(self.workflow, tasks, seed)
+        return episodes, self.kit.generator.stats()
 
     def samples_exactly(self) -> bool:
         """Whether its episodes' log-probs are its policy's forward pass's (`Policy.samples_exactly`)."""
@@ -158,7 +155,7 @@ class RolloutWorker:
     def evaluate(self, tasks: Sequence[Task]) -> list[Episode]:
         from mappa.evaluate import evaluate
 
-        return evaluate(self.cfg, self.kit.generator, self.kit.sandbox, tasks)[1]
+        return evaluate(self.cfg, self.workflow, self.kit.generator, self.kit.sandbox, tasks)[1]
 
     def self_test(self) -> list[str]:
         return self.kit.self_test(self.workflow.agents, self.workflow.name)
@@ -171,10 +168,10 @@ class RolloutWorker:
 
     def load_adapters(self, paths: dict[str, Path], version: int) -> float:
         """Have the generation server load the published adapters (one worker does; returns the seconds)."""
-        return self.kit.generator.load_adapters(paths, version)
+        return self.kit.generator.server.load_adapters(paths, version)
 
     def use_version(self, version: int) -> None:
-        self.kit.generator.use_version(version)
+        self.kit.generator.server.use_version(version)
 
     def coach_stats(self) -> dict[str, float]:
         return self.kit.coach.stats()

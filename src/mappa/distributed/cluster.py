@@ -270,15 +270,10 @@ class Cluster:
         return out
 
     def _generation_stats(self, metrics: dict[str, float]) -> dict[str, float]:
-        """The workers' generation-server counters of the last rollout, merged as `mappa.generation` logs them."""
-        if self.cfg.generation.backend != "server":
-            return {}
-        out = merge_counts(self._generation)
-        gaps = {k.removesuffix("/logprob_gap"): v for k, v in metrics.items() if k.endswith("/logprob_gap")}
-        tokens = {g: metrics.get(f"{g}/tokens", 0.0) for g in gaps}
-        if sum(tokens.values()) > 0:
-            out["generation/logprob_gap"] = sum(gaps[g] * tokens[g] for g in gaps) / sum(tokens.values())
-        return out
+        """The workers' generation counters of the last rollout, merged as `mappa.generation` logs them."""
+        from mappa.generation import logprob_gap
+
+        return {**merge_counts(self._generation), **logprob_gap(metrics)}
 
     def evaluate(
         self, tasks: Sequence[Task], progress: ProgressFn | None = None

@@ -22,10 +22,11 @@ never mixes versions; each generation records the version it used.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,7 @@ class ServerPolicy:
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="mappa-gen")
         self._counts: Counter[str] = Counter()
         self._versions: set[int | None] = set()
+        self._count_lock = threading.Lock()  # requests finish on the pool's threads
 
     @classmethod
     def from_policy(cls, policy: Any, gen: Any, adapter_root: Path | None = None) -> ServerPolicy:
@@ -162,24 +164,38 @@ class ServerPolicy:
         business: every request is in flight at once, up to `generation.concurrency`)."""
         prompts = [self.chat_ids(c) for c in conversations]
         check_context(prompts, max_context_tokens, agent or "reference")
-        model, version = self.model_name(agent), self.version
-        body = {"model": model, "temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens}
-        body.update(logprobs=True, return_token_ids=True)
-        if self.chat_template_kwargs:
-            body["chat_template_kwargs"] = self.chat_template_kwargs
         seeds = row_seeds(seed, len(prompts))  # one per request: equal prompts in one call must not sample alike
         jobs = [
-            self._pool.submit(self._one, {**body, "messages": _wire(c), "seed": s}, p, version)
+            self.submit(agent, c, p, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=s)
             for c, p, s in zip(conversations, prompts, seeds, strict=True)
         ]
-        out = [j.result() for j in jobs]
-        self._versions.add(version)
-        for g in out:
+        return [j.result() for j in jobs]
+
+    def submit(
+        self, agent: str | None, messages: Sequence[Message], prompt: Sequence[int], *, temperature: float,
+        top_p: float, max_new_tokens: int, seed: int | None,
+    ) -> Future[ServedGeneration]:  # fmt: skip
+        """One chat completion in flight (up to `generation.concurrency` at once); its future's result is the
+        generation, counted in `stats()`."""
+        model, version = self.model_name(agent), self.version
+        body = {"model": model, "temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens}
+        body.update(logprobs=True, return_token_ids=True, messages=_wire(messages), seed=seed)
+        if self.chat_template_kwargs:
+            body["chat_template_kwargs"] = self.chat_template_kwargs
+        job = self._pool.submit(self._one, body, list(prompt), version)
+        job.add_done_callback(self._count)
+        return job
+
+    def _count(self, job: Future[ServedGeneration]) -> None:
+        if job.cancelled() or job.exception() is not None:
+            return
+        g = job.result()
+        with self._count_lock:
+            self._versions.add(None if g.version == -1 else g.version)
             self._counts["requests"] += 1
             self._counts["response_tokens"] += len(g.response_ids)
             if g.dropped:
                 self._counts[f"dropped_{g.dropped}"] += 1
-        return out
 
     def _one(self, body: dict[str, Any], prompt: list[int], version: int | None) -> ServedGeneration:
         reply = self._post("/chat/completions", body)
@@ -234,15 +250,17 @@ class ServerPolicy:
 
     def stats(self) -> dict[str, float]:
         """Counters since the last call, as `generation/...` metrics; resets them."""
-        out = {f"generation/{k}": float(v) for k, v in self._counts.items()}
+        with self._count_lock:
+            counts, versions = dict(self._counts), set(self._versions)
+            self._counts.clear()
+            self._versions.clear()
+        out = {f"generation/{k}": float(v) for k, v in counts.items()}
         for why in DROP_REASONS:
             out.setdefault(f"generation/dropped_{why}", 0.0)
-        used = sorted(v for v in self._versions if v is not None)
+        used = sorted(v for v in versions if v is not None)
         if used:
             out["generation/adapter_version"] = float(used[-1])
-        out["generation/mixed_versions"] = float(len(self._versions) > 1)
-        self._counts.clear()
-        self._versions.clear()
+        out["generation/mixed_versions"] = float(len(versions) > 1)
         return out
 
     # ------------------------------------------------------------------------------------------------------------

@@ -49,26 +49,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from mappa.config import GenerationConfig, SandboxConfig, WorkflowConfig
+from mappa.config import SandboxConfig, WorkflowConfig
 from mappa.errors import MappaError
-from mappa.protocols import ProgressFn, Runtime
 from mappa.sandbox.codeblocks import extract_code_blocks, format_observation
 from mappa.sandbox.workspace import snapshot
 from mappa.tasks.answers import without_reasoning
 from mappa.tasks.files import visible_names
 from mappa.types import Action, CoachContext, Episode, ExecResult, Message, Task
 from mappa.workflows import ds_prompts
-from mappa.workflows.base import (
-    AgentSpec,
-    Batch,
-    EpisodeState,
-    Turn,
-    clip_middle,
-    episode_meta,
-    play_batch,
-    run_stage,
-    score_stage,
-)
+from mappa.workflows.base import AgentSpec, clip_middle, system_prompt
 from mappa.workflows.ds_prompts import _TOOLS as _TOOLS  # the agents' tool text (a test checks their packages)
 from mappa.workflows.ds_prompts import (
     ANALYST,
@@ -82,6 +71,8 @@ from mappa.workflows.ds_prompts import (
     unusable,
 )
 from mappa.workflows.ds_state import AgentTurns, DsEpisode, Team
+from mappa.workflows.runtime import Reply, Tools
+from mappa.workflows.runtime import Team as Players
 
 __all__ = ["ANALYST", "DATA_ENGINEER", "MODELER", "REQUIRED", "SPECS", "DsPipeline", "Team"]
 
@@ -150,33 +141,27 @@ def target_statistics(task: Task) -> dict[str, Any]:
 
 
 class DsPipeline:
-    """The data-science pipeline: `DsPipeline(cfg.workflow, cfg.generation, cfg.sandbox).run(tasks, runtime)`.
-
-    Settings read once: the per-agent turn cap (`workflow.ds_max_turns`), the sampling settings and token caps
-    (`gen`), the longest tool observation (`sandbox.observation_chars`) and whether workspaces are kept.
-    """
+    """The data-science pipeline, one episode at a time (`play`); built with the settings it reads, once: the
+    per-agent turn cap (`workflow.ds_max_turns`) and the longest tool observation (`sandbox.observation_chars`).
+    How it samples is the runtime's call (`mappa.workflows.runtime`)."""
 
     name = "ds_pipeline"
 
-    def __init__(
-        self,
-        cfg: WorkflowConfig | None = None,
-        gen: GenerationConfig | None = None,
-        sandbox: SandboxConfig | None = None,
-    ) -> None:
+    def __init__(self, cfg: WorkflowConfig | None = None, sandbox: SandboxConfig | None = None) -> None:
         cfg = cfg or WorkflowConfig()
-        sandbox = sandbox or SandboxConfig()
-        self.gen = gen or GenerationConfig()
-        self.observation_chars = sandbox.observation_chars
-        self.keep_workspaces = sandbox.keep_workspaces
+        self.observation_chars = (sandbox or SandboxConfig()).observation_chars
         self.specs = tuple(dataclasses.replace(s, max_turns=cfg.ds_max_turns) for s in SPECS)
         self.agents = tuple(s.name for s in self.specs)
+        self.max_actions = sum(s.max_turns for s in self.specs)
         self._targets: dict[str, dict[str, Any]] = {}  # task id -> target statistics (train.csv read once)
         self._train_targets: dict[str, list[Any]] = {}  # task id -> train.csv's target column (read once)
         self._rows: dict[str, tuple[int, int]] = {}  # task id -> rows of train.csv and test.csv (read once)
 
-    def role(self, spec: AgentSpec) -> str:
-        return spec.role.format(budget=self.gen.max_new_tokens, turns=spec.max_turns)
+    def check_task(self, task: Task) -> None:
+        check_task(task)
+
+    def role(self, spec: AgentSpec, budget: int) -> str:
+        return spec.role.format(budget=budget, turns=spec.max_turns)
 
     def spec(self, agent: str) -> AgentSpec:
         for s in self.specs:
@@ -198,23 +183,17 @@ class DsPipeline:
         return ds_prompts.first_prompt(spec, task, files, team, budget, receipts)
 
     def messages(
-        self,
-        spec: AgentSpec,
-        task: Task,
-        files: Sequence[str],
-        team: Team,
-        history: Sequence[tuple[Action, str]],
-        budget: int | None,
-        receipts: Receipts | None = None,
+        self, spec: AgentSpec, task: Task, turns: AgentTurns, team: Team, tokens: int, cut: int | None
     ) -> list[Message]:
-        """The agent's chat: its first prompt, then its own earlier replies and their tool responses."""
+        """The agent's chat: its first prompt (the files it began with), then its own earlier replies and their
+        tool responses; embedded text cut to `cut` characters (None: whole), `tokens` its reply's cap."""
         messages = [
-            Message(role="system", content=self.role(spec)),
-            Message(role="user", content=self.first_prompt(spec, task, files, team, budget, receipts)),
+            Message(role="system", content=self.role(spec, tokens)),
+            Message(role="user", content=self.first_prompt(spec, task, turns.start, team, cut, turns.start_receipts)),
         ]
-        for action, observation in history:
-            messages.append(Message(role="assistant", content=clip_middle(action.text, budget)))
-            messages.append(Message(role="user", content=clip_middle(observation, budget)))
+        for action, observation in turns.history:
+            messages.append(Message(role="assistant", content=clip_middle(action.text, cut)))
+            messages.append(Message(role="user", content=clip_middle(observation, cut)))
         return messages
 
     def tool_response(
@@ -227,7 +206,8 @@ class DsPipeline:
     def evidence(
         self,
         spec: AgentSpec,
-        state: EpisodeState,
+        task: Task,
+        workspace: Path,
         before: Sequence[str],
         team: Team,
         *,
@@ -237,7 +217,7 @@ class DsPipeline:
         """What the coach sees of an action beyond its messages, taken right after its code ran: `owed`, the
         earlier agents' files missing or unusable when the agent began (default: those missing from `before`),
         and `receipts`, those of the required pickles now present."""
-        after = visible_files(state.workspace)
+        after = visible_files(workspace)
         ev: dict[str, Any] = {
             "files_before": listed(before),
             "files_after": listed(after),
@@ -248,16 +228,16 @@ class DsPipeline:
             ev["receipts"] = {name: dict(r) for name, r in receipts.items() if name in after}
         if spec.name == ANALYST.name:
             ev.update(
-                test_evaluation=self.test_evaluation(state), target_statistics=self.target_statistics(state.task)
+                test_evaluation=self.test_evaluation(task, workspace), target_statistics=self.target_statistics(task)
             )
         return ev
 
-    def test_evaluation(self, state: EpisodeState) -> dict[str, Any]:
+    def test_evaluation(self, task: Task, workspace: Path) -> dict[str, Any]:
         """`submission.csv` as it stands in the workspace, scored against the hidden answers."""
         from mappa.tasks.tabular import higher_is_better, score_submission
 
-        score = score_submission(state.task, state.workspace / "submission.csv")
-        meta = state.task.meta
+        score = score_submission(task, workspace / "submission.csv")
+        meta = task.meta
         return {
             **dataclasses.asdict(score),
             "higher_is_better": higher_is_better(score.metric),
@@ -304,29 +284,23 @@ class DsPipeline:
             self._rows[task.id] = (n_train, n_test)
         return self._rows[task.id]
 
-    def check_receipts(self, batch: Batch, episodes: Sequence[DsEpisode]) -> None:
-        """Take the receipts of the required pickles present in each episode's workspace (`ep.receipts`), one
-        check per workspace through the sandbox, all at once. A check that fails vouches for nothing."""
+    async def check_receipts(self, task: Task, tools: Tools) -> Receipts:
+        """The receipts of the required pickles present in the workspace, from one check run in the sandbox. A
+        check that fails vouches for nothing."""
         from mappa.tasks.dsbench.receipts import RECEIPT_FILES, expectations, failed, parse_receipts, receipt_code
 
-        jobs = []
-        for ep in episodes:
-            present = [f for f in RECEIPT_FILES if f in visible_files(ep.state.workspace)]
-            ep.receipts = {}
-            if present:
-                want = expectations(*self.task_rows(ep.state.task))
-                jobs.append((ep, present, receipt_code({f: want[f] for f in present})))
-        if not jobs:
-            return
-        results = batch.rt.sandbox.run_many([(code, ep.state.workspace) for ep, _, code in jobs])
-        for (ep, present, _), result in zip(jobs, results, strict=True):
-            ep.state.sandbox_s += result.duration_s
-            stopped = {"timed out": result.timed_out, "memory limit": result.memory_exceeded}
-            why = next((k for k, hit in stopped.items() if hit), "sandbox failure" if result.infra_error else None)
-            if why is not None:
-                ep.receipts = failed(present, f"the check did not finish ({why})")
-            else:
-                ep.receipts = parse_receipts(result.stdout, present)
+        present = [f for f in RECEIPT_FILES if f in visible_files(tools.workspace)]
+        if not present:
+            return {}
+        want = expectations(*self.task_rows(task))
+        result = await tools.python(receipt_code({f: want[f] for f in present}))
+        stopped = {"timed out": result.timed_out, "memory limit": result.memory_exceeded}
+        why = next((k for k, hit in stopped.items() if hit), "sandbox failure" if result.infra_error else None)
+        return (
+            failed(present, f"the check did not finish ({why})")
+            if why is not None
+            else parse_receipts(result.stdout, present)
+        )
 
     def context(self, task: Task, action: Action) -> CoachContext:
         """The coach's evidence for one action: its exact input and output, its tool call, the recorded files
@@ -347,7 +321,7 @@ class DsPipeline:
             task=task.problem,
             workflow=self.name,
             agent=spec.name,
-            role=self.role(spec),
+            role=system_prompt(action),
             is_final=spec.name == ANALYST.name,
             messages=action.messages,
             output=action.text,
@@ -358,66 +332,49 @@ class DsPipeline:
             extra=extra,
         )
 
-    # --------------------------------------------------------------------------------------------------- run
-    def run(
-        self, tasks: Sequence[Task], rt: Runtime, *, seed: int | None = None, progress: ProgressFn | None = None
-    ) -> list[Episode]:
-        """Play one episode per task, all in lockstep; returns episodes in task order."""
-        if not tasks:
-            return []
-        for task in tasks:
-            check_task(task)
-        episodes: list[Episode] = []
-        play_batch(
-            tasks,
-            rt,
-            self.gen,
-            lambda batch: episodes.extend(self._play(batch)),
-            actions_per_episode=sum(s.max_turns for s in self.specs),
-            keep_workspaces=self.keep_workspaces,
-            seed=seed,
-            progress=progress,
-        )
-        return episodes
+    # ----------------------------------------------------------------------------------------------------- play
+    async def play(self, task: Task, team: Players, tools: Tools) -> Episode:
+        """Every agent in turn on the task's files; the episode scored while its workspace exists."""
+        stock_workspace(tools.workspace, task)
+        ep = DsEpisode()
+        for spec in self.specs:
+            await self._agent(spec, task, team, tools, ep)
+        return self._episode(task, team, tools.workspace, ep)
 
-    def _play(self, batch: Batch) -> list[Episode]:
-        """Every agent in turn over the batch's episodes; returns them scored while their workspaces exist."""
-        records = [DsEpisode(s) for s in batch.states]
-        for ep in records:
-            stock_workspace(ep.state.workspace, ep.state.task)
-        live = records
-        for j, spec in enumerate(self.specs):
-            playing = [ep for ep in live if ep.state.error is None]  # an episode whose prompt could not fit stopped
-            batch.count.drop((len(live) - len(playing)) * sum(x.max_turns for x in self.specs[j:]))
-            live = playing
-            self._agent(batch, spec, live)
-        return [self._episode(ep) for ep in records]
+    async def _agent(self, spec: AgentSpec, task: Task, team: Players, tools: Tools, ep: DsEpisode) -> None:
+        """Up to `spec.max_turns` turns of one agent; it stops at a reply without code, or once its code ran
+        cleanly and its required files exist and count. Records its final message and the files it saved."""
+        turns = ep.turns = AgentTurns(start=visible_files(tools.workspace), start_receipts=dict(ep.receipts))
+        owed = missing_upstream(spec.name, turns.start, turns.start_receipts)
+        tokens = team.sampling.max_new_tokens
+        for _ in range(spec.max_turns):
+            before = visible_files(tools.workspace)
+            reply = await team.generate(spec.name, partial(self.messages, spec, task, turns, ep.team, tokens))
+            action = await self._run(spec, task, team, tools, ep, reply, before, owed)
+            turns.final, result = action, action.exec_result
+            if result is None:  # a reply without code ends the agent's turns
+                break
+            turns.saved.extend(saved_files(result))
+            files = visible_files(tools.workspace)
+            problems = self.problems(spec, files, ep.receipts, action.evidence)
+            turns.history.append((action, self.tool_response(spec, result, files, problems)))
+            if result.ok and all(f in files for f in REQUIRED[spec.name]) and not problems:
+                break
+        if turns.final is not None:
+            ep.team.finals[spec.name] = without_reasoning(turns.final.text).strip()
+            ep.team.saved[spec.name] = tuple(listed(list(dict.fromkeys(turns.saved))))
 
-    def _agent(self, batch: Batch, spec: AgentSpec, episodes: list[DsEpisode]) -> None:
-        """Up to `spec.max_turns` turns of one agent in every episode; records its final message and files."""
-        for ep in episodes:
-            ep.turns = AgentTurns(start=visible_files(ep.state.workspace), start_receipts=dict(ep.receipts))
-        waiting = episodes
-        for k in range(spec.max_turns):
-            stage = self._stage(batch, spec, waiting, k)
-            asked, waiting = len(waiting), []
-            for ep, action in stage:
-                turns, result = ep.turns, action.exec_result
-                turns.final = action
-                if result is None:  # a reply without code ends the agent's turns
-                    continue
-                turns.saved.extend(saved_files(result))
-                files = visible_files(ep.state.workspace)
-                problems = self.problems(spec, files, ep.receipts, action.evidence)
-                turns.history.append((action, self.tool_response(spec, result, files, problems)))
-                done = result.ok and all(f in files for f in REQUIRED[spec.name]) and not problems
-                if not done and k + 1 < spec.max_turns:
-                    waiting.append(ep)
-            batch.count.drop((asked - len(waiting)) * (spec.max_turns - k - 1))
-        for ep in episodes:
-            if ep.turns.final is not None:
-                ep.team.finals[spec.name] = without_reasoning(ep.turns.final.text).strip()
-                ep.team.saved[spec.name] = tuple(listed(list(dict.fromkeys(ep.turns.saved))))
+    async def _run(
+        self, spec: AgentSpec, task: Task, team: Players, tools: Tools, ep: DsEpisode, reply: Reply,
+        before: Sequence[str], owed: Mapping[str, str],
+    ) -> Action:  # fmt: skip
+        """The reply's code run, the receipts of its files taken, its evidence recorded; scored."""
+        blocks = extract_code_blocks(reply.text)
+        result = await tools.python("\n\n".join(blocks)) if blocks else None
+        if result is not None:
+            ep.receipts = await self.check_receipts(task, tools)
+        evidence = self.evidence(spec, task, tools.workspace, before, ep.team, owed=owed, receipts=ep.receipts)
+        return await team.commit(reply, result, evidence)
 
     @staticmethod
     def problems(
@@ -431,39 +388,13 @@ class DsPipeline:
             out["submission.csv"] = str(test["reason"])
         return out
 
-    def _stage(
-        self, batch: Batch, spec: AgentSpec, episodes: list[DsEpisode], turn_index: int
-    ) -> list[tuple[DsEpisode, Action]]:
-        """One turn of `spec` in every episode given: generated, run, its files' receipts taken, given its
-        evidence, scored and recorded."""
-        by_id = {ep.state.id: ep for ep in episodes}
-        turns = []
-        for ep in episodes:
-            ep.turns.before = visible_files(ep.state.workspace)
-            turns.append(Turn(ep.state, partial(self.messages, spec, ep.state.task, ep.turns.start, ep.team,
-                                                ep.turns.history, receipts=ep.turns.start_receipts)))  # fmt: skip
-        staged = run_stage(batch, spec, turns, turn_index=turn_index, extract_code=extract_code_blocks)
-        self.check_receipts(batch, [by_id[t.state.id] for t, a in staged if a.exec_result is not None])
-        done: list[tuple[Turn, Action]] = []
-        for turn, action in staged:
-            ep = by_id[turn.state.id]
-            owed = missing_upstream(spec.name, ep.turns.start, ep.turns.start_receipts)
-            evidence = self.evidence(spec, ep.state, ep.turns.before, ep.team, owed=owed, receipts=ep.receipts)
-            done.append((turn, action.model_copy(update={"evidence": evidence})))
-        done = score_stage(done, [self.context(t.state.task, a) for t, a in done], batch.rt.scorer)
-        for turn, action in done:
-            turn.state.actions.append(action)
-        batch.count.advance(len(turns))
-        return [(by_id[turn.state.id], action) for turn, action in done]
-
-    def _episode(self, ep: DsEpisode) -> Episode:
+    def _episode(self, task: Task, team: Players, workspace: Path, ep: DsEpisode) -> Episode:
         """The finished episode, its submission scored against the hidden answers (the Analyst's last evaluation
         when it acted last: nothing ran since)."""
-        s = ep.state
-        files = visible_files(s.workspace)
-        last = s.actions[-1] if s.actions else None
+        files = visible_files(workspace)
+        last = team.actions[-1] if team.actions else None
         recorded = last.evidence.get("test_evaluation") if last is not None and last.agent == ANALYST.name else None
-        test = recorded or self.test_evaluation(s)
+        test = recorded or self.test_evaluation(task, workspace)
         if "submission.csv" not in files:
             final_answer = None
         elif test["success"]:
@@ -474,16 +405,8 @@ class DsPipeline:
             final_answer = f"invalid submission: {test['reason']}"
         submission = {k: test[k] for k in SUBMISSION_KEYS}
         # the paper's fair figures (fallbacks when invalid)
-        submission["paper"] = self.paper_figures(s.task, s.workspace / "submission.csv", bool(test["valid"]))
-        meta = {**episode_meta(s, self.keep_workspaces), "submission": submission}
+        submission["paper"] = self.paper_figures(task, workspace / "submission.csv", bool(test["valid"]))
         bad = {**unusable(files, ep.receipts), **({} if test["valid"] else {"submission.csv": test["reason"]})}
-        meta["missing_files"] = [f for agent in self.agents for f in REQUIRED[agent] if f not in files or f in bad]
-        return Episode(
-            id=s.id,
-            workflow=self.name,
-            task=s.task,
-            actions=tuple(s.actions),
-            final_answer=final_answer,
-            correct=bool(test["success"]),
-            meta=meta,
-        )
+        missing = [f for agent in self.agents for f in REQUIRED[agent] if f not in files or f in bad]
+        meta = {"submission": submission, "missing_files": missing}
+        return team.episode(final_answer=final_answer, correct=bool(test["success"]), meta=meta)

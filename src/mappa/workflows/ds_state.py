@@ -1,7 +1,6 @@
 """One data-science episode in flight (`mappa.workflows.ds_pipeline`): all of its state in one record.
 
 DsEpisode
-  state     EpisodeState   the workflow-independent part: task, workspace, actions, error, timings
   team      Team           what the agents done so far passed on: final messages and the files each saved
   turns     AgentTurns     the agent now playing: the files it started with, its chat so far, what it saved
   receipts  dict           the latest receipts of the required pickles present (`mappa.tasks.dsbench.receipts`)
@@ -12,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mappa.types import Action
-from mappa.workflows.base import EpisodeState
 
 
 @dataclass
@@ -39,9 +37,8 @@ class AgentTurns:
 
 @dataclass
 class DsEpisode:
-    """Everything the pipeline keeps of one episode while its batch plays."""
+    """Everything the pipeline keeps of one episode while it plays (the runtime keeps its actions and timings)."""
 
-    state: EpisodeState
     team: Team = field(default_factory=Team)
     turns: AgentTurns = field(default_factory=AgentTurns)
     receipts: dict[str, dict] = field(default_factory=dict)  # file -> receipt, after the latest code run

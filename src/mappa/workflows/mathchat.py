@@ -22,24 +22,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from mappa.config import GenerationConfig, SandboxConfig, WorkflowConfig
-from mappa.protocols import ProgressFn, Runtime
-from mappa.sandbox.codeblocks import extract_code_blocks, format_observation
+from mappa.config import SandboxConfig, WorkflowConfig
+from mappa.sandbox.codeblocks import format_observation
 from mappa.tasks import check_answer, extract_answer
 from mappa.types import Action, CoachContext, Episode, ExecResult, Message, Task
-from mappa.workflows.base import (
-    AgentSpec,
-    Batch,
-    EpisodeState,
-    Turn,
-    action_context,
-    clip_middle,
-    episode_meta,
-    feedback_note,
-    play_batch,
-    run_stage,
-    score_stage,
-)
+from mappa.workflows.base import AgentSpec, action_context, clip_middle, feedback_note
+from mappa.workflows.runtime import Team, Tools
 
 _TEAM = "a math team of three agents: Problem Solver, then Code Executor, then Verifier"
 
@@ -101,53 +89,76 @@ def tool_response(result: ExecResult, max_chars: int) -> str:
 
 
 class MathChat:
-    """The MathChat workflow: `MathChat(cfg.workflow, cfg.generation, cfg.sandbox).run(tasks, Runtime(...))`.
-
-    It reads its settings here, once: the Code Executor's turn cap and the feedback switch (`workflow`),
-    the sampling settings and token caps (`gen`), and from `sandbox` the longest tool observation an agent
-    and the coach see (`observation_chars`) and whether workspaces are kept.
-    """
+    """The MathChat workflow, one episode at a time (`play`); built with the settings it reads, once: the Code
+    Executor's turn cap and the feedback switch (`workflow`), and from `sandbox` the longest tool observation an
+    agent and the coach see (`observation_chars`). How it samples is the runtime's call (`mappa.workflows.runtime`)."""
 
     name = "mathchat"
 
-    def __init__(
-        self,
-        cfg: WorkflowConfig | None = None,
-        gen: GenerationConfig | None = None,
-        sandbox: SandboxConfig | None = None,
-    ) -> None:
+    def __init__(self, cfg: WorkflowConfig | None = None, sandbox: SandboxConfig | None = None) -> None:
         cfg = cfg or WorkflowConfig()
-        sandbox = sandbox or SandboxConfig()
-        self.gen = gen or GenerationConfig()
         self.show_feedback = cfg.show_coach_feedback
-        self.observation_chars = sandbox.observation_chars
-        self.keep_workspaces = sandbox.keep_workspaces
+        self.observation_chars = (sandbox or SandboxConfig()).observation_chars
         self.coder = dataclasses.replace(CODER, max_turns=cfg.coder_max_turns)
         self.specs = (SOLVER, self.coder, VERIFIER)
         self.agents = tuple(s.name for s in self.specs)
+        self.max_actions = 2 + self.coder.max_turns
 
-    def role(self, spec: AgentSpec) -> str:
-        return spec.role.format(budget=self.gen.max_new_tokens, turns=spec.max_turns)
+    def check_task(self, task: Task) -> None:
+        """Any task with a problem and a gold answer plays (the answer is checked by rule at the end)."""
+
+    # ----------------------------------------------------------------------------------------------------- play
+    async def play(self, task: Task, team: Team, tools: Tools) -> Episode:
+        """Solver, then the Code Executor until it stops writing code or runs out of turns (its code runs; its
+        output comes back to it), then the Verifier on the Code Executor's final message and last output."""
+        budget = team.sampling.max_new_tokens
+        solver = await team.act(SOLVER.name, self.solver_messages(task, budget))
+        history: list[tuple[Action, str]] = []
+        note, coder = self._note(SOLVER, solver), None
+        for _ in range(self.coder.max_turns):
+            coder = await team.act(
+                CODER.name, lambda cut: self.coder_messages(task, solver, history, note, cut, budget), code=True
+            )
+            if coder.exec_result is None:
+                break
+            history.append((coder, tool_response(coder.exec_result, self.observation_chars)))
+        last = history[-1][1] if history else None
+        note = self._note(self.coder, coder)
+        verifier = await team.act(
+            VERIFIER.name, lambda cut: self.verifier_messages(task, coder, last, note, cut, budget)
+        )
+        return team.episode(
+            final_answer=extract_answer(verifier.text), correct=check_answer(verifier.text, task.answer, task.problem)
+        )
+
+    def _note(self, spec: AgentSpec, action: Action) -> str:
+        if not self.show_feedback or action.coach is None:
+            return ""
+        return "\n\n" + feedback_note(spec.title, action.coach)
 
     # ---------------------------------------------------------------------------------------------- prompts
-    def solver_messages(self, task: Task) -> list[Message]:
+    def role(self, spec: AgentSpec, budget: int) -> str:
+        return spec.role.format(budget=budget, turns=spec.max_turns)
+
+    def solver_messages(self, task: Task, budget: int) -> list[Message]:
         return [
-            Message(role="system", content=self.role(SOLVER)),
+            Message(role="system", content=self.role(SOLVER, budget)),
             Message(role="user", content=f"Problem:\n{task.problem}\n\n{SOLVER_ASK}"),
         ]
 
     def coder_messages(
-        self, task: Task, solver: Action, history: Sequence[tuple[Action, str]], feedback: str, budget: int | None
-    ) -> list[Message]:
+        self, task: Task, solver: Action, history: Sequence[tuple[Action, str]], feedback: str, cut: int | None,
+        budget: int,
+    ) -> list[Message]:  # fmt: skip
         """The Code Executor's chat: the problem + the Solver's output, then its own earlier turns."""
-        first = f"Problem:\n{task.problem}\n\nThe Problem Solver's answer:\n{clip_middle(solver.text, budget)}"
+        first = f"Problem:\n{task.problem}\n\nThe Problem Solver's answer:\n{clip_middle(solver.text, cut)}"
         messages = [
-            Message(role="system", content=self.role(self.coder)),
+            Message(role="system", content=self.role(self.coder, budget)),
             Message(role="user", content=f"{first}{feedback}\n\n{CODER_ASK}"),
         ]
         for action, observation in history:
-            messages.append(Message(role="assistant", content=clip_middle(action.text, budget)))
-            messages.append(Message(role="user", content=clip_middle(observation, budget)))
+            messages.append(Message(role="assistant", content=clip_middle(action.text, cut)))
+            messages.append(Message(role="user", content=clip_middle(observation, cut)))
         return messages
 
     @staticmethod
@@ -155,16 +166,16 @@ class MathChat:
         return VERIFIER_ASK_SHORT if task.source == "arithmetic" else VERIFIER_ASK
 
     def verifier_messages(
-        self, task: Task, coder_final: Action, last_output: str | None, feedback: str, budget: int | None
+        self, task: Task, coder_final: Action, last_output: str | None, feedback: str, cut: int | None, budget: int
     ) -> list[Message]:
         """The Verifier's chat: the problem + only the Code Executor's final action and the last tool output."""
         output = last_output if last_output is not None else "(no code was run)"
         content = (
-            f"Problem:\n{task.problem}\n\nThe Code Executor's final message:\n{clip_middle(coder_final.text, budget)}"
-            f"\n\nLast tool output:\n{clip_middle(output, budget)}"
+            f"Problem:\n{task.problem}\n\nThe Code Executor's final message:\n{clip_middle(coder_final.text, cut)}"
+            f"\n\nLast tool output:\n{clip_middle(output, cut)}"
         )
         return [
-            Message(role="system", content=self.role(VERIFIER)),
+            Message(role="system", content=self.role(VERIFIER, budget)),
             Message(role="user", content=f"{content}{feedback}\n\n{self.verifier_ask(task)}"),
         ]
 
@@ -172,100 +183,5 @@ class MathChat:
     def context(self, task: Task, action: Action) -> CoachContext:
         """The coach's evidence for one action: exactly what its agent saw, its raw output and its tool call."""
         return action_context(
-            self.name, self.specs, self.role, task, action, final=VERIFIER.name,
-            observation_chars=self.observation_chars,
-        )  # fmt: skip
-
-    # --------------------------------------------------------------------------------------------------- run
-    def run(
-        self, tasks: Sequence[Task], rt: Runtime, *, seed: int | None = None, progress: ProgressFn | None = None
-    ) -> list[Episode]:
-        """Play one episode per task, all in lockstep; returns episodes in task order."""
-        if not tasks:
-            return []
-        states = play_batch(
-            tasks,
-            rt,
-            self.gen,
-            self._play,
-            actions_per_episode=2 + self.coder.max_turns,
-            keep_workspaces=self.keep_workspaces,
-            seed=seed,
-            progress=progress,
-        )
-        return [self._episode(s) for s in states]
-
-    def _note(self, spec: AgentSpec, action: Action) -> str:
-        if not self.show_feedback or action.coach is None:
-            return ""
-        return "\n\n" + feedback_note(spec.title, action.coach)
-
-    def _stage(self, batch: Batch, spec: AgentSpec, turns: list[Turn], turn_index: int) -> list[tuple[Turn, Action]]:
-        done = run_stage(batch, spec, turns, turn_index=turn_index, extract_code=extract_code_blocks)
-        contexts = [self.context(t.state.task, a) for t, a in done]
-        done = score_stage(done, contexts, batch.rt.scorer)
-        for turn, action in done:
-            turn.state.actions.append(action)
-        batch.count.advance(len(turns))
-        return done
-
-    def _play(self, batch: Batch) -> None:
-        states, count, max_turns = batch.states, batch.count, self.coder.max_turns
-        # Stage 1: the Problem Solver, one turn.
-        turns = [Turn(s, lambda budget, s=s: self.solver_messages(s.task)) for s in states]
-        solved = {id(t.state): a for t, a in self._stage(batch, SOLVER, turns, 0)}
-        count.drop((len(states) - len(solved)) * (1 + max_turns))
-
-        # Stage 2: the Code Executor, up to max_turns turns; an action without code ends its turns.
-        history: dict[int, list[tuple[Action, str]]] = {id(s): [] for s in states}
-        last_output: dict[int, str | None] = {id(s): None for s in states}
-        coder_final: dict[int, Action] = {}
-        waiting = [s for s in states if id(s) in solved]
-        for k in range(max_turns):
-            turns = [
-                Turn(
-                    s,
-                    lambda budget, s=s: self.coder_messages(
-                        s.task, solved[id(s)], history[id(s)], self._note(SOLVER, solved[id(s)]), budget
-                    ),
-                )
-                for s in waiting
-            ]
-            done = self._stage(batch, self.coder, turns, k)
-            waiting = []
-            for turn, action in done:
-                key = id(turn.state)
-                coder_final[key] = action
-                if action.exec_result is None:
-                    continue
-                observation = tool_response(action.exec_result, self.observation_chars)
-                last_output[key] = observation
-                history[key].append((action, observation))
-                if k + 1 < max_turns:
-                    waiting.append(turn.state)
-            count.drop((len(turns) - len(waiting)) * (max_turns - k - 1) + len(turns) - len(done))
-
-        # Stage 3: the Verifier, one turn, on the Code Executor's final action and the last tool output.
-        finals = [s for s in states if id(s) in coder_final]
-        turns = [
-            Turn(
-                s,
-                lambda budget, s=s: self.verifier_messages(
-                    s.task, coder_final[id(s)], last_output[id(s)], self._note(self.coder, coder_final[id(s)]), budget
-                ),
-            )
-            for s in finals
-        ]
-        self._stage(batch, VERIFIER, turns, 0)
-
-    def _episode(self, s: EpisodeState) -> Episode:
-        verifier = next((a for a in s.actions if a.agent == VERIFIER.name), None)
-        return Episode(
-            id=s.id,
-            workflow=self.name,
-            task=s.task,
-            actions=tuple(s.actions),
-            final_answer=extract_answer(verifier.text) if verifier is not None else None,
-            correct=check_answer(verifier.text, s.task.answer, s.task.problem) if verifier is not None else False,
-            meta=episode_meta(s, self.keep_workspaces),
+            self.name, self.specs, task, action, final=VERIFIER.name, observation_chars=self.observation_chars
         )

@@ -21,7 +21,7 @@ from mappa.decoding import DecodeRow, Generation, Sampling, prefill_padded, samp
 from mappa.errors import MappaError
 from mappa.kvcache import BufferedLayer, pad_left, stitchable
 from mappa.policy import Policy
-from mappa.serving.prefix_cache import PrefixCache
+from mappa.prefix_cache import PrefixCache
 
 Blocks = list[list[tuple[torch.Tensor, torch.Tensor]]]  # per layer: blocks of rows, (keys (b, H, l, D), values)
 
@@ -35,12 +35,14 @@ def decoding(
     top_p: float = 1.0,
     seed: int | None = None,
     prefix_cache: PrefixCache | None = None,
+    sampler: bool = False,
 ) -> Iterator[Decoder]:
     """A `Decoder` for `agent` (None: the reference) and one sampling setting. The agent's weights stay
     active, under the policy's lock, until the block ends; use the decoder from the thread that opened it.
-    `prefix_cache` reuses prompt KV across decoders; only for weights that no longer change."""
+    `prefix_cache` reuses prompt KV across decoders; only for weights that no longer change. `sampler`: the
+    agent's sampling copy where the policy keeps one (`Policy.sampler`), as `Policy.generate` decodes."""
     sampling = Sampling(temperature, top_p, seeded_generator(seed, policy.device))
-    with torch.no_grad(), policy.active(agent) as module:
+    with torch.no_grad(), policy.sampler(agent) if sampler else policy.active(agent) as module:
         yield Decoder(policy, module, sampling, prefix_cache=prefix_cache, owner=agent)
 
 

@@ -1,11 +1,11 @@
-"""A local model as a continuously batched chat engine: what `mappa serve` runs.
+"""A local model as a continuously batched chat engine: what `mappa serve` runs, and what episodes sample from.
 
-Requests go to one worker thread that runs a `mappa.serving.decoder.Decoder`. Requests that can share a batch
+Requests go to one worker thread that runs a `mappa.decoder.Decoder`. Requests that can share a batch
 (same model, temperature and top-p; a request's seed gives its row a sampler of its own) join the running
 batch between decode steps and leave it as soon as they finish, so nobody waits for a batch to fill or for
 the slowest reply in it, and a follow-up request sent while others are still generating joins them at the
 next token. Requests with other settings wait until the running batch drains (it takes no newcomers while
-they wait). Prompt KV is kept in a `mappa.serving.prefix_cache.PrefixCache`: a follow-up that repeats an
+they wait). Prompt KV is kept in a `mappa.prefix_cache.PrefixCache`: a follow-up that repeats an
 earlier request, or a prompt that shares its opening with one, prefills only what is new.
 
 `chat_stream` yields a request's tokens as they are sampled (for server-sent events); `run` executes a
@@ -25,12 +25,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mappa.decoder import Decoder, decoding
 from mappa.decoding import DecodeRow, Generation
 from mappa.models import load_base_model
 from mappa.policy import Policy
-from mappa.serving.adapters import ServedPolicy
-from mappa.serving.decoder import Decoder, decoding
-from mappa.serving.prefix_cache import PrefixCache
+from mappa.prefix_cache import PrefixCache
 from mappa.types import Message
 
 PLACEHOLDER_AGENT = "base"  # the policy needs one agent; a plain model is served with adapters disabled
@@ -100,9 +99,14 @@ class ChatEngine:
     went away (`cancelled`), and the rows decoding now (`active_rows`).
     """
 
-    def __init__(self, policy: Policy | ServedPolicy, max_batch: int = 16, prefix_cache_mib: float = 512) -> None:
+    def __init__(
+        self, policy: Policy, max_batch: int = 16, prefix_cache_mib: float = 512, *, sampler: bool = False
+    ) -> None:
+        # `policy`: a Policy, or anything with its decoding interface (`mappa.serving.adapters.ServedPolicy`).
+        # `sampler`: decode from the policy's sampling copies (`Policy.sampler`), as training episodes do.
         self.policy = policy
         self.max_batch = max_batch
+        self.sampler = sampler
         # Served and coaching weights do not change, so prompt KV can be reused across requests.
         self.prefix_cache = PrefixCache(int(prefix_cache_mib * 2**20)) if prefix_cache_mib > 0 else None
         self.requests = 0
@@ -183,10 +187,14 @@ class ChatEngine:
 
     async def aclose(self) -> None:
         """Stop the worker after the running batch; requests still waiting get an error."""
+        await asyncio.to_thread(self.close)
+
+    def close(self) -> None:
+        """`aclose` from outside an event loop."""
         thread = self._thread
         if thread is not None and thread.is_alive():
             self._inbox.put(_STOP)
-            await asyncio.to_thread(thread.join)
+            thread.join()
         self._thread = None
 
     # ------------------------------------------------------------------------------------------------------------
@@ -245,6 +253,7 @@ class ChatEngine:
                 temperature=first.temperature,
                 top_p=first.top_p,
                 prefix_cache=self.prefix_cache,
+                sampler=self.sampler,
             ) as decoder:
                 opened = True
                 self._admit(decoder, key, waiting, running)
