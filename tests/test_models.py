@@ -21,6 +21,7 @@ from mappa.models import (
     fetch_packaged_model,
     gguf_cache_path,
     load_base_model,
+    packaged_model_path,
     public_name,
     resolve_device,
     resolve_dtype,
@@ -329,7 +330,9 @@ def test_pip_that_cannot_download_is_one_line(tmp_path, cache, packaged):
 def test_a_packaged_name_resolves_to_its_file_only_when_fetched_and_verified(tmp_path, cache, packaged):
     name = "qwen2.5-coder-0.5b-instruct"
     assert public_name(name) == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
-    with pytest.raises(MappaError, match=r"not on this machine: run `make models`.*'Qwen/Qwen2.5-Coder-0.5B-Instruct'"):
+    with pytest.raises(
+        MappaError, match=r"not on this machine: run `make models`.*'Qwen/Qwen2.5-Coder-0.5B-Instruct'"
+    ):
         load_base_model(name)
     # A small stand-in under the same path: its bytes are no GGUF, so reaching the reader proves the name led there.
     spec, pip_args = _chunked(tmp_path, [b"GGUF" + b"\x00" * 60])
@@ -340,3 +343,38 @@ def test_a_packaged_name_resolves_to_its_file_only_when_fetched_and_verified(tmp
     packaged(name, PackagedModel(**{**spec.__dict__, "sha256": "f" * 64}))  # the file no longer hashes right
     with pytest.raises(MappaError, match=r"chunked.gguf: sha256 .* is not the published"):
         load_base_model(name)
+
+
+@pytest.mark.slow  # ~1 min the first time (dequantizing), ~6 GB
+def test_the_packaged_qwen_coder_loads_as_a_qwen2_with_its_own_lm_head_and_answers():
+    from mappa.policy import Policy
+    from mappa.types import Message
+
+    name = "qwen2.5-coder-0.5b-instruct"
+    if not packaged_model_path(name).is_file():
+        pytest.skip(f"{name} is not fetched (make models)")
+    model, tok = load_base_model(name)
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.num_hidden_layers == 24
+    # this GGUF carries its own output.weight: an LM head of its own, and the biases of every q/k/v projection
+    assert not model.config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    assert all(layer.self_attn.k_proj.bias is not None for layer in model.model.layers)
+    policy = Policy.from_model(model, tok, ["solver"], base_name=name)
+    gen = policy.generate(
+        "solver", [[Message(role="user", content="What is 12 + 30?")]], max_new_tokens=32, temperature=0.0
+    )[0]
+    assert "42" in gen.text
+
+
+def test_the_second_tiny_model_is_another_base_with_another_vocabulary():
+    """`tiny-random-2`, the other base of a heterogeneous team in tests: another family, width and vocabulary, so the
+    same text is other token ids and a tensor of one base fits nothing of the other."""
+    a, tok_a = load_base_model("tiny-random")
+    b, tok_b = load_base_model("tiny-random-2")
+    assert type(b).__name__ == "Qwen2ForCausalLM" and b.config.hidden_size == 48 != a.config.hidden_size
+    assert b.config.vocab_size == len(tok_b) == 384 < len(tok_a)
+    text = "What is 17 * 23? The answer is 391."
+    ids_a, ids_b = tok_a(text)["input_ids"], tok_b(text)["input_ids"]
+    assert ids_a != ids_b and tok_b.decode(ids_b) == text
+    assert tok_b.eos_token == "<|im_end|>" and tok_b.chat_template == tok_a.chat_template
+    assert torch.equal(logits(b, ids_b), logits(load_base_model("tiny-random-2")[0], ids_b))  # seeded

