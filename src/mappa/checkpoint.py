@@ -1,7 +1,8 @@
 """Atomic training checkpoints: weights, optimizers, RNG states, data cursor, step.
 
 Layout of one checkpoint (`RUN_DIR/checkpoints/step-000012/`):
-  policy/        Policy.save(): one adapter (or full weights) per agent + tokenizer + manifest (safetensors, JSON)
+  policy/        Policies.save(): one adapter (or full weights) per agent + tokenizer + manifest (safetensors, JSON);
+                 a team on several base models: one such directory per base, base-0/, base-1/ ... (`mappa.policies`)
   trainer.pt     optimizer state dicts per update group (the learning rate is a function of the step)
   rng.pt         python, numpy, torch (CPU and CUDA) RNG states, as tensors and plain numbers
   state.json     {"step": 12, "cursor": 96, ...}: readable without torch

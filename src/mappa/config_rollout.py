@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from mappa.errors import MappaError
 from mappa.plugins import check_coach, check_task_loader, check_workflow, is_import_path, load_object
@@ -35,6 +35,20 @@ class ModelConfig(Section):
         description="lora: one adapter per agent on one frozen base; full: a full copy per agent; "
         "shared: one adapter used by every agent (single-policy baseline).",
     )
+    agent_models: dict[str, str] = Field(
+        default_factory=dict,
+        description="A heterogeneous team: agent -> the base model it runs on, named as `name` is (e.g. {verifier: "
+        "qwen2.5-coder-0.5b-instruct}); agents not listed run on `name`. Agents on one base share it, with their "
+        "own weights each; every other setting here applies to every base (docs/models.md).",
+    )
+
+    @field_validator("agent_models")
+    @classmethod
+    def _agent_models(cls, value: dict[str, str]) -> dict[str, str]:
+        if empty := sorted(agent for agent, name in value.items() if not name.strip()):
+            raise ValueError(f"{', '.join(empty)}: an empty model name (leave the agent out to use model.name)")
+        return value
+
     lora_r: int = Field(16, ge=1, description="LoRA rank.")
     lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scaling = alpha / r).")
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
@@ -187,10 +201,19 @@ class CoachConfig(Section):
         "(1 - w) * coach score + w * (10 if the episode succeeded else 0); 0: process rewards alone.",
     )  # fmt: skip
     model: str = Field("", description="Coach model name (openai) or model path/name (local).")
+    judge: Literal["generate", "logprob"] = Field(
+        "generate",
+        description="How the local coach gives its verdict. generate: it writes an analysis and the verdict lines "
+        "(parsed; one follow-up when missing). logprob: one forward pass over the same prompt with the verdict's "
+        "marker appended; the score is the expected value of the next token's distribution over 0-10 (the most "
+        "likely value with expected_score: false), never unparsable, judgments batched (docs/coach.md).",
+    )
     base_url: str | None = Field(None, description="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1.")
     api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable that holds the API key.")
-    template: Literal["", "mathchat", "ds_pipeline", "generic"] = Field(
-        "", description="Prompt template name; empty: the workflow's own, else generic."
+    template: Literal["", "mathchat", "ds_pipeline", "generic", "mathchat_paper", "ds_pipeline_paper"] = Field(
+        "",
+        description="Prompt template name; empty: the workflow's own, else generic. mathchat_paper, ds_pipeline_paper: "
+        "the published coach prompts verbatim, the evidence fenced (mappa.coach.paper_templates).",
     )
     temperature: float = Field(0.0, ge=0.0, description="Coach sampling temperature (0: deterministic).")
     max_tokens: int = Field(
@@ -246,6 +269,17 @@ class CoachConfig(Section):
     def _backend(cls, value: str) -> str:
         return _builtin_or_plugin(value, BUILTIN_COACHES, "coach.backend", check_coach)
 
+    @field_validator("judge")
+    @classmethod
+    def _judge(cls, value: str, info: ValidationInfo) -> str:
+        backend = info.data.get("backend")  # absent when the backend itself failed validation
+        if value == "logprob" and backend is not None and backend != "local":
+            raise ValueError(
+                f"logprob reads the next-token distribution of an in-process model: it needs coach.backend: local "
+                f"(coach.backend is {backend!r})"
+            )
+        return value
+
     @property
     def is_plugin(self) -> bool:
         return self.backend not in BUILTIN_COACHES
@@ -279,8 +313,28 @@ class WorkflowConfig(Section):
     )
     coder_max_turns: int = Field(2, ge=1, description="MathChat: Code Executor turn cap.")
     ds_max_turns: int = Field(4, ge=1, description="ds_pipeline: turn cap of each agent.")
+    prompts: Literal["mappa", "paper"] = Field(
+        "mappa",
+        description="What the built-in workflows' agents are told. mappa: our prompts (a system prompt with the role, "
+        "a closing ask; measured on the demo); paper: the published code's templates verbatim "
+        "(mappa.workflows.paper_prompts).",
+    )
+    ds_stop_when_done: bool = Field(
+        True,
+        description="ds_pipeline: an agent also stops once its code ran cleanly and all its required files exist "
+        "and count; false: only at a reply without code or its turn cap, as the paper.",
+    )
+    ds_caps: Literal["mappa", "paper"] = Field(
+        "mappa",
+        description="ds_pipeline: the score caps enforced on the Analyst (mappa.coach.caps). mappa: the paper's "
+        "tables plus the share of the reference model's gain and the trivial-prediction cap; paper: the published "
+        "coach prompt's rules alone (tables, RMSE as a share of the IQR for an outlier-heavy target, the upstream-"
+        "fault exception up to 8).",
+    )
     show_coach_feedback: bool = Field(
-        False, description="Later agents see earlier agents' coach rationales (off in the published code)."
+        False,
+        description="Later agents see the coach's score and rationale of each earlier action whose text they are "
+        "shown (MathChat and ds_pipeline; off in the published code).",
     )
     reward_scale: float | None = Field(
         None, gt=0, description="The coach's 0-10 score times this is the reward on an action's last token; "
@@ -311,6 +365,13 @@ class TasksConfig(Section):
     )
     train_size: int | None = Field(None, ge=1, description="Draw this many training tasks (seeded); None: all.")
     eval_size: int | None = Field(None, ge=1, description="Use this many eval tasks (seeded); None: all.")
+    train_draw: Literal["mappa", "paper"] = Field(
+        "mappa",
+        description="How train_size tasks are drawn. mappa: random.Random(seed).sample of the pool once every "
+        "evaluation problem (configured, and the paper's held-out sets) is removed; paper: the published code's "
+        "numpy RandomState(seed).choice over the sources' rows in file order, sorted, and refused when it holds a "
+        "configured evaluation problem (docs/method.md section 4).",
+    )
     arithmetic_levels: list[int] = Field(
         default_factory=lambda: [1, 2, 3], description="Difficulty levels of the generated arithmetic tasks."
     )

@@ -1,7 +1,8 @@
 """Where a training run's work happens: `LocalEngine`, the run's `Engine` (`mappa.protocols`) in this process.
 
-It holds the run's parts from `mappa.rollout.build_kit` (policy, generator, coach, sandbox: built as the Ray
-actors, `mappa rollout` and `mappa eval` build theirs) plus one optimizer per update group. `open_engine` picks
+It holds the run's parts from `mappa.rollout.build_kit` (policies, generator, coach, sandbox: built as the Ray
+actors, `mappa rollout` and `mappa eval` build theirs) plus one optimizer per update group, over the weights of
+the group's agent on that agent's base model (`mappa.policies`: a team may sit on several). `open_engine` picks
 where a run's work goes, once: on a Ray cluster when `place` is given (`mappa.distributed.placement`), else here.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mappa.checkpoint import restore_run, save_checkpoint
 from mappa.config import Config
@@ -18,7 +19,10 @@ from mappa.generation import step_sync
 from mappa.protocols import Engine, ProgressFn, StatusFn, Workflow
 from mappa.rollout import build_kit
 from mappa.types import Episode, Task
-from mappa.update import apply_update, build_optimizer
+from mappa.update import GroupResult, UpdateJob, apply_update, build_optimizer
+
+if TYPE_CHECKING:
+    from mappa.policy import Policy
 
 # place(cfg, run_dir, agents, groups) -> the engine of a run placed elsewhere (`mappa.distributed.placement`)
 Place = Callable[[Config, Path, Sequence[str], dict[str, list[str]]], Engine]
@@ -26,37 +30,49 @@ Place = Callable[[Config, Path, Sequence[str], dict[str, list[str]]], Engine]
 
 # ---------------------------------------------------------------------------------------------------- the engine
 class LocalEngine:
-    """A training run's work in this process: its kit plays and scores episodes and evaluates, its policy takes
-    each update group's update in turn with the group's optimizer (`mappa.update.apply_update`)."""
+    """A training run's work in this process: its kit plays and scores episodes and evaluates, each update group's
+    policy (its agent's base) takes the group's update in turn with the group's optimizer
+    (`mappa.update.apply_update`)."""
 
     def __init__(
         self, cfg: Config, run_dir: Path, workflow: Workflow, groups: dict[str, list[str]], coach: Any = None
     ) -> None:
-        self.cfg, self.run_dir, self.workflow = cfg, Path(run_dir), workflow
+        self.cfg, self.run_dir, self.workflow, self.groups = cfg, Path(run_dir), workflow, groups
         self.kit = build_kit(
             cfg, workflow.agents, workflow=workflow.name, coach_plugin=coach, generator=True, run_dir=self.run_dir
         )
         try:
-            policy = self.kit.policy
-            self.optimizers = {g: build_optimizer(policy, members[0], g, cfg.train) for g, members in groups.items()}
+            self.optimizers = {
+                g: build_optimizer(self._policy(g), members[0], g, cfg.train) for g, members in groups.items()
+            }
         except BaseException:
             self.kit.close()
             raise
 
+    @property
+    def samples_exactly(self) -> bool:
+        """Whether its episodes' log-probs are the training forward pass's: its generator's answer."""
+        return self.kit.generator.samples_exactly
+
     def play(self, tasks: Sequence[Task], seed: int, progress: ProgressFn | None = None) -> list[Episode]:
         return self.kit.play(self.workflow, tasks, seed, progress=progress)
 
-    def update(self, jobs: dict[str, Any], status: StatusFn | None = None) -> dict[str, dict[str, float]]:
+    def update(self, jobs: dict[str, UpdateJob], status: StatusFn | None = None) -> dict[str, GroupResult]:
         """One group after another."""
         done = {}
         for g, job in jobs.items():
             if job.actions and status is not None:
                 status(f"updating {g} on {len(job.actions)} actions")
-            done[g] = apply_update(self.kit.policy, self.optimizers[g], job)
+            done[g] = apply_update(self._policy(g), self.optimizers[g], job)
         return done
 
-    def step_sync(self, version: int, metrics: dict[str, float] | None = None) -> dict[str, float]:
-        return step_sync(self.kit.generator, self.kit.policy, version, metrics)
+    def _policy(self, group: str) -> Policy:
+        """The policy of the group's agents' base (a shared adapter's group has every agent, on one base)."""
+        return self.kit.policies[self.groups[group][0]]
+
+    def step_sync(self, version: int) -> dict[str, float]:
+        # a generation server holds one base: base 0's adapters are what it loads; local generators need nothing
+        return step_sync(self.kit.generator, self.kit.policies.primary, version)
 
     def evaluate(
         self, tasks: Sequence[Task], progress: ProgressFn | None = None
@@ -71,11 +87,11 @@ class LocalEngine:
 
     def save_checkpoint(self, run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
         return save_checkpoint(
-            run_dir, step, policy=self.kit.policy, optimizers=self.optimizers, state=state, keep=keep
+            run_dir, step, policy=self.kit.policies, optimizers=self.optimizers, state=state, keep=keep
         )
 
     def restore_checkpoint(self, run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
-        return restore_run(run_dir, policy=self.kit.policy, optimizers=self.optimizers)
+        return restore_run(run_dir, policy=self.kit.policies, optimizers=self.optimizers)
 
     def close(self) -> None:
         self.kit.close()

@@ -7,6 +7,12 @@ A policy checkpoint directory holds:
   base/                 the base weights and tokenizer, only when the base has no name to be reloaded by
   tokenizer/            the tokenizer
 
+A heterogeneous team (agents on several base models, `mappa.policies`) is saved as one such directory per base,
+`base-0/`, `base-1/`, ... (base-0: `model.name`'s), beside a manifest that lists the agents of each:
+  mappa_policy.json     {"format_version": 2, "agents": [...], "bases": [{"model": ..., "agents": [...]}, ...]}
+Format 2 added that layout; a one-base policy's files are those of format 1, which loads as it did. A manifest
+of a newer format is refused, and so is a team's where one policy is expected (`read_manifest`).
+
 Weights are written whole and on the CPU: sharded tensors (`mappa.sharding`) are gathered first, and laid
 out as this rank's shard again on load. The functions here take the modules and names they work on, not
 the `Policy`, which calls them from `save`, `load_weights` and `from_checkpoint`.
@@ -31,7 +37,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 MANIFEST = "mappa_policy.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a team of several bases (`bases`); 1: before, one base
 _WEIGHT_FILES = {"agents": "model.safetensors", "base": "model.safetensors", "adapters": "adapter_model.safetensors"}
 
 
@@ -48,6 +54,13 @@ class Manifest(TypedDict, total=False):
     adapters: dict[str, str]  # agent -> adapter directory name (empty for `full`)
 
 
+class BaseEntry(TypedDict):
+    """One base of a team's manifest: the model its policy was loaded from (None: stored in its base/), its agents."""
+
+    model: str | None
+    agents: list[str]
+
+
 # subdirectory -> (tensors whole on the CPU, the config saved beside them)
 WeightFiles = dict[str, tuple[dict[str, torch.Tensor], "PretrainedConfig | PeftConfig"]]
 
@@ -56,9 +69,8 @@ WeightFiles = dict[str, tuple[dict[str, torch.Tensor], "PretrainedConfig | PeftC
 # Manifest
 
 
-def read_manifest(directory: str | Path) -> Manifest:
-    """A checkpoint's `mappa_policy.json` (base name, agents, mode, LoRA settings), checked; MappaError if absent."""
-    directory = Path(directory)
+def _read_json(directory: Path) -> dict[str, Any]:
+    """`mappa_policy.json` as written, of a format this code reads; MappaError if absent, not JSON or newer."""
     path = directory / MANIFEST
     if not path.is_file():
         raise MappaError(f"{directory}: not a mappa policy checkpoint ({MANIFEST} not found)")
@@ -66,10 +78,71 @@ def read_manifest(directory: str | Path) -> Manifest:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise MappaError(f"{path}:{e.lineno}: invalid JSON") from None
+    if not isinstance(manifest, dict):
+        raise MappaError(f"{path}: not a policy manifest (a JSON object)")
+    version = manifest.get("format_version", 1)
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise MappaError(
+            f"{path}: format version {version!r} (this mappa reads up to {FORMAT_VERSION}: written by a newer mappa?)"
+        )
+    return manifest
+
+
+def read_manifest(directory: str | Path) -> Manifest:
+    """A checkpoint's `mappa_policy.json` (base name, agents, mode, LoRA settings), checked; MappaError if absent,
+    or if it is a team's of several bases (whose base-<i>/ subdirectories are each one policy)."""
+    directory = Path(directory)
+    manifest = _read_json(directory)
+    if (bases := _bases(directory, manifest)) is not None:
+        dirs = ", ".join(f"{base_dir(Path(), i)}/" for i in range(len(bases)))
+        raise MappaError(
+            f"{directory / MANIFEST}: a team on {describe_bases(bases)}, not one policy (each base's policy is its "
+            f"subdirectory: {dirs})"
+        )
     for key in ("agents", "agent_weights", "base_name", "lora"):
         if key not in manifest:
-            raise MappaError(f"{path}: missing field {key!r}")
+            raise MappaError(f"{directory / MANIFEST}: missing field {key!r}")
     return manifest
+
+
+def read_team(directory: str | Path) -> list[BaseEntry] | None:
+    """The bases a team's checkpoint lists (each one's files under `base_dir(directory, i)`); None for one base."""
+    directory = Path(directory)
+    return _bases(directory, _read_json(directory))
+
+
+def _bases(directory: Path, manifest: dict[str, Any]) -> list[BaseEntry] | None:
+    if (bases := manifest.get("bases")) is None:
+        return None
+    ok = isinstance(bases, list) and bases and all(
+        isinstance(b, dict) and isinstance(b.get("agents"), list) and all(isinstance(a, str) for a in b["agents"])
+        and (b.get("model") is None or isinstance(b["model"], str)) for b in bases
+    )  # fmt: skip
+    if not ok:
+        raise MappaError(f"{directory / MANIFEST}: 'bases' is not a list of {{model, agents}}")
+    return [BaseEntry(model=b.get("model"), agents=list(b["agents"])) for b in bases]
+
+
+def base_dir(directory: Path, index: int) -> Path:
+    """Where a team's checkpoint keeps the policy of its base `index` (0: `model.name`'s)."""
+    return directory / f"base-{index}"
+
+
+def describe_bases(bases: Iterable[BaseEntry]) -> str:
+    """For one-line errors: "2 base models (tiny-random: solver, coder; tiny-random-2: verifier)"."""
+    bases = list(bases)
+    each = "; ".join(f"{b['model'] or 'an in-memory model'}: {', '.join(b['agents'])}" for b in bases)
+    return f"{len(bases)} base model{'s' if len(bases) != 1 else ''} ({each})"
+
+
+def write_team_manifest(directory: str | Path, agents: Iterable[str], bases: Iterable[BaseEntry]) -> None:
+    """The manifest of a team saved as one policy directory per base (`base_dir`), written beside them."""
+    directory = Path(directory)
+    manifest = {"format_version": FORMAT_VERSION, "agents": list(agents), "bases": list(bases)}
+    try:
+        (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    except OSError as e:
+        raise MappaError(f"cannot write checkpoint {directory} ({e.strerror or e})") from None
 
 
 def base_source(directory: Path, manifest: Manifest) -> str:

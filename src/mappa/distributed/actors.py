@@ -9,6 +9,9 @@ Weights travel as lists of tensors, one list per update group in the order of
 `Policy.trainable_parameters(<the group's first agent>)`: a trainer hands out its group's after each update,
 and every other actor copies them into its own policy (`copy_weights`), so after a step every actor holds the
 same weights as a local run would.
+
+A heterogeneous team (agents on several base models, `mappa.policies`): a trainer builds its group's base alone,
+with the agents on it (and copies in their weights only); a rollout worker holds every base.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import torch
 
 from mappa import sharding
 from mappa.config import Config
+from mappa.policies import Policies, team_bases
 from mappa.rollout import Kit, build_kit
 from mappa.types import Episode, Task
-from mappa.update import UpdateJob, apply_update, build_optimizer
+from mappa.update import GroupResult, UpdateJob, apply_update, build_optimizer
 
 
 def _kit(cfg: Config, agents: Sequence[str], device: str, cpus: float, **parts: Any) -> Kit:
@@ -34,16 +38,27 @@ def _kit(cfg: Config, agents: Sequence[str], device: str, cpus: float, **parts: 
     return build_kit(cfg, agents, device=device, **parts)
 
 
-def _policy(cfg: Config, agents: Sequence[str], device: str, cpus: float) -> Any:
-    """A trainer's policy: the kit's weights, without sandbox or coach."""
-    return _kit(cfg, agents, device, cpus, coach=False, sandbox=False).policy
+def _policies(cfg: Config, agents: Sequence[str], device: str, cpus: float) -> Policies:
+    """A trainer's policies (`mappa.policies.Policies` of its one base): the kit's weights, without sandbox or coach."""
+    return _kit(cfg, agents, device, cpus, coach=False, sandbox=False).policies
+
+
+def _on_base(cfg: Config, agents: Sequence[str], agent: str) -> tuple[Config, list[str]]:
+    """`agent`'s base alone, as the config of a team on that one base, and the agents on it. Their weights start as
+    the whole team's do: a base's are drawn from the seed over its own agents (`Policies.from_config`)."""
+    name, members = next((n, m) for n, m in team_bases(cfg.model, agents).items() if agent in m)
+    model = cfg.model.model_copy(update={"name": name, "agent_models": {}})
+    return cfg.model_copy(update={"model": model}), members
 
 
 def copy_weights(policy: Any, agents: Sequence[str], weights: Sequence[Sequence[torch.Tensor]]) -> None:
     """Copy each group's trainable tensors into `policy` (into this rank's shards where it is sharded);
-    `agents[i]` is the first agent of the group whose tensors are `weights[i]`."""
+    `agents[i]` is the first agent of the group whose tensors are `weights[i]`. An agent `policy` does not hold
+    (another base's, at a trainer) is left out."""
     with torch.no_grad():
         for agent, tensors in zip(agents, weights, strict=True):
+            if agent not in policy.agents:
+                continue
             for p, w in zip(policy.trainable_parameters(agent), tensors, strict=True):
                 p.copy_(sharding.like(p, w))
 
@@ -51,22 +66,25 @@ def copy_weights(policy: Any, agents: Sequence[str], weights: Sequence[Sequence[
 class Trainer:
     """One update group's trainer: the group's weights and optimizer, reference log-probs and updates.
 
-    It holds the whole policy, every agent's weights (the others' copied in after each step), so that one
-    trainer can save a checkpoint and publish adapters exactly as a local run does; it trains only its group's.
+    It holds its base's whole policy, every agent's weights on it (the others' copied in after each step), so that
+    one trainer per base can save its checkpoint files and publish adapters exactly as a local run does; it trains
+    only its group's. (`cfg` and `agents`: the run's; it keeps those of its base, `_on_base`.)
     """
 
     rank = 0
 
     def __init__(self, cfg: Config, agents: Sequence[str], group: str, agent: str, device: str, cpus: float) -> None:
+        cfg, agents = _on_base(cfg, agents, agent)
         self.cfg, self.agents, self.group, self.agent, self.device, self.cpus = cfg, agents, group, agent, device, cpus
-        self.policy = _policy(cfg, agents, device, cpus)
+        self.policies = _policies(cfg, agents, device, cpus)
+        self.policy = self.policies.single
         self.optimizer = build_optimizer(self.policy, agent, group, cfg.train)
 
-    def update(self, job: UpdateJob) -> tuple[dict[str, float], list[torch.Tensor]]:
-        """The group's update (`mappa.update.apply_update`); returns its metrics and the group's new weights
+    def update(self, job: UpdateJob) -> tuple[GroupResult, list[torch.Tensor]]:
+        """The group's update (`mappa.update.apply_update`); returns its result and the group's new weights
         (sharded: the first rank's; the others return none)."""
-        metrics, weights = apply_update(self.policy, self.optimizer, job), self.weights()
-        return metrics, weights if self.rank == 0 else []
+        result, weights = apply_update(self.policy, self.optimizer, job), self.weights()
+        return result, weights if self.rank == 0 else []
 
     def weights(self) -> list[torch.Tensor]:
         return [sharding.host(p) for p in self.policy.trainable_parameters(self.agent)]
@@ -79,7 +97,7 @@ class Trainer:
         self.policy.save(directory, write=self.rank == 0)
 
     def load_weights(self, directory: str) -> None:
-        self.policy.load_weights(directory)
+        self.policies.load_weights(directory)  # a team's checkpoint: its base's directory
 
     def optimizer_state(self) -> dict[str, Any]:
         return sharding.host_state(self.optimizer.state_dict())
@@ -108,6 +126,7 @@ class ShardedTrainer(Trainer):
     def __init__(
         self, cfg: Config, agents: Sequence[str], group: str, agent: str, device: str, cpus: float, rank: int, world: int
     ) -> None:  # fmt: skip
+        cfg, agents = _on_base(cfg, agents, agent)
         self.cfg, self.agents, self.group, self.agent, self.device, self.cpus = cfg, agents, group, agent, device, cpus
         self.rank, self.world = rank, world
 
@@ -125,7 +144,8 @@ class ShardedTrainer(Trainer):
     def setup(self, address: str) -> None:
         torch.set_num_threads(max(1, int(self.cpus)))
         sharding.init(self.rank, self.world, address, self.device)
-        self.policy = _policy(self.cfg, self.agents, self.device, self.cpus)
+        self.policies = _policies(self.cfg, self.agents, self.device, self.cpus)
+        self.policy = self.policies.single
         sharding.shard_modules(self.policy.shardable_modules(), self.device)
         self.optimizer = build_optimizer(self.policy, self.agent, self.group, self.cfg.train)
 
@@ -149,8 +169,9 @@ class RolloutWorker:
         return episodes, self.kit.generator.stats()
 
     def samples_exactly(self) -> bool:
-        """Whether its episodes' log-probs are its policy's forward pass's (`Policy.samples_exactly`)."""
-        return self.kit.policy.samples_exactly
+        """Whether its episodes' log-probs are a training forward pass's: its generator's `samples_exactly` (not a
+        server's, not a bfloat16 sampling copy's)."""
+        return self.kit.generator.samples_exactly
 
     def evaluate(self, tasks: Sequence[Task]) -> list[Episode]:
         from mappa.evaluate import evaluate
@@ -161,10 +182,10 @@ class RolloutWorker:
         return self.kit.self_test(self.workflow.agents, self.workflow.name)
 
     def set_weights(self, agents: list[str], *weights: list[torch.Tensor]) -> None:
-        copy_weights(self.kit.policy, agents, weights)
+        copy_weights(self.kit.policies, agents, weights)
 
     def load_weights(self, directory: str) -> None:
-        self.kit.policy.load_weights(directory)
+        self.kit.policies.load_weights(directory)
 
     def load_adapters(self, paths: dict[str, Path], version: int) -> float:
         """Have the generation server load the published adapters (one worker does; returns the seconds)."""

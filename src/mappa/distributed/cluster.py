@@ -27,7 +27,7 @@ from mappa.errors import MappaError
 from mappa.metrics import episode_metrics
 from mappa.protocols import ProgressFn, StatusFn
 from mappa.types import Episode, Task
-from mappa.update import UpdateJob, recomputing
+from mappa.update import GroupResult, UpdateJob
 
 Place = Callable[[Config, Path, Sequence[str], dict[str, list[str]]], "Cluster"]
 RAY_MISSING = "--ray needs Ray: pip install 'mappa-rl[ray]'"
@@ -71,6 +71,8 @@ def merge_counts(parts: Sequence[dict[str, float]]) -> dict[str, float]:
             out[k] = max(out.get(k, v), v) if largest else out.get(k, 0.0) + v
     if "judgments" in out:
         out["unscored_rate"] = out["unscored"] / out["judgments"] if out["judgments"] else 0.0
+    if "replies" in out:
+        out["cut_rate"] = out["cut_replies"] / out["replies"] if out["replies"] else 0.0
     return out
 
 
@@ -106,13 +108,22 @@ def placement(address: str) -> Place:
 
 class _Weights:
     """What checkpointing needs of a policy: the lead trainer (which holds every agent's current weights) saves,
-    and every actor loads."""
+    and every actor loads. A team on several base models (`mappa.policies`): each base's lead trainer (its first
+    group's) saves that base's `Policies.save` subdirectory, and the team's manifest is written here."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
 
     def save(self, directory: str | Path) -> None:
-        get([rank.save.remote(str(Path(directory).resolve())) for rank in self.cluster.lead])
+        from mappa.policy_files import BaseEntry, base_dir, write_team_manifest
+
+        directory, c = Path(directory).resolve(), self.cluster
+        if len(c.bases) == 1:
+            get([rank.save.remote(str(directory)) for rank in c.lead])
+            return
+        leads = [c.trainers[next(g for g, m in c.groups.items() if m[0] in agents)] for agents in c.bases.values()]
+        get([rank.save.remote(str(base_dir(directory, i))) for i, ranks in enumerate(leads) for rank in ranks])
+        write_team_manifest(directory, c.agents, [BaseEntry(model=n, agents=a) for n, a in c.bases.items()])
 
     def load_weights(self, directory: str | Path) -> None:
         get([a.load_weights.remote(str(Path(directory).resolve())) for a in self.cluster.actors])
@@ -138,9 +149,12 @@ class Cluster:
     def __init__(self, cfg: Config, run_dir: Path, agents: Sequence[str], groups: dict[str, list[str]], started: bool):
         from mappa.distributed.actors import RolloutWorker
         from mappa.generation import adapter_root
+        from mappa.policies import team_bases
 
         ray = _ray()
         self.cfg, self.agents, self.groups, self.started = cfg, tuple(agents), groups, started
+        # base model -> its agents: a trainer holds its group's base, a worker every base (checked before placing)
+        self.bases = team_bases(cfg.model, agents, server=cfg.generation.backend == "server")
         self.adapter_root = str(adapter_root(cfg, run_dir).resolve())
         self.group_pg = self._placement_group()
         self.trainers = {g: self._trainer(i, g, members[0]) for i, (g, members) in enumerate(groups.items())}
@@ -154,8 +168,8 @@ class Cluster:
             ).remote(cfg, agents, str(run_dir), device, r.worker_cpus, url)
             for i, url in enumerate(self.urls)
         ]
-        # a worker sampling from bfloat16 copies of float32 weights: its log-probs are no trainer's forward pass
-        self.workers_exact = all(get([w.samples_exactly.remote() for w in self.workers]))
+        # its generator's answer: a server's or a bfloat16 sampling copy's log-probs are no trainer's forward pass
+        self._exact = all(get([w.samples_exactly.remote() for w in self.workers]))
         self.lead = self.trainers[next(iter(groups))]  # its first rank writes checkpoints and publishes adapters
         self.actors = [*(rank for ranks in self.trainers.values() for rank in ranks), *self.workers]
         self._weights = _Weights(self)  # what `mappa.checkpoint` saves and restores, held by the actors
@@ -170,6 +184,12 @@ class Cluster:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def samples_exactly(self) -> bool:
+        """Whether every rollout worker's episodes have the training forward pass's log-probs (its generator's
+        `samples_exactly`, asked once): the trainers recompute them when not (`mappa.update`)."""
+        return self._exact
 
     @property
     def n_ranks(self) -> int:
@@ -233,24 +253,22 @@ class Cluster:
         self._generation = [stats for _, stats in results]
         return [e for episodes, _ in results for e in episodes]
 
-    def update(self, jobs: dict[str, UpdateJob], status: StatusFn | None = None) -> dict[str, dict[str, float]]:
+    def update(self, jobs: dict[str, UpdateJob], status: StatusFn | None = None) -> dict[str, GroupResult]:
         """Every group's update at once, each on its trainer actor; the new weights wait for `step_sync`."""
         if status is not None:
             status(f"updating {len(jobs)} groups on their trainer actors")
-        if not self.workers_exact:
-            jobs = {g: recomputing(job) for g, job in jobs.items()}
         refs = {
             g: [rank.update.options(num_returns=2).remote(job) for rank in self.trainers[g]] for g, job in jobs.items()
         }
         self._pending = {self.groups[g][0]: ranks[0][1] for g, ranks in refs.items()}  # the first rank's
-        get([metrics for ranks in refs.values() for metrics, _ in ranks[1:]])  # every other rank finished too
+        get([result for ranks in refs.values() for result, _ in ranks[1:]])  # every other rank finished too
         return dict(zip(refs, get([ranks[0][0] for ranks in refs.values()]), strict=True))
 
-    def step_sync(self, version: int, metrics: dict[str, float] | None = None) -> dict[str, float]:
+    def step_sync(self, version: int) -> dict[str, float]:
         """After the updates: every actor copies the groups' new weights; with a generation server, the lead
         trainer publishes the adapters as `version` and one worker has the server load them. Returns the
         `generation/...` metrics the local loop logs (none for the local backend)."""
-        out = self._generation_stats(metrics or {})
+        out = merge_counts(self._generation)  # the workers' counters of the last rollout, as one
         if self._pending:
             calls = []
             for actor in self.actors:
@@ -268,12 +286,6 @@ class Cluster:
             out["generation/reload_s"] = max(get(calls))
             get([w.use_version.remote(version) for i, w in enumerate(self.workers) if i not in loaders])
         return out
-
-    def _generation_stats(self, metrics: dict[str, float]) -> dict[str, float]:
-        """The workers' generation counters of the last rollout, merged as `mappa.generation` logs them."""
-        from mappa.generation import logprob_gap
-
-        return {**merge_counts(self._generation), **logprob_gap(metrics)}
 
     def evaluate(
         self, tasks: Sequence[Task], progress: ProgressFn | None = None

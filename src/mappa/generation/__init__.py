@@ -3,7 +3,8 @@
 
 `generation.backend: local` (default): `LocalGenerator`, the policy that trains, continuously batched
 (`mappa.chat_engine.ChatEngine` on its sampling copies): requests of concurrent episodes decode together, a
-request joining the running batch at the next token. `generation.backend: server`: `ServerGenerator` sends every
+request joining the running batch at the next token. A team on several base models (`mappa.policies`) has a
+`TeamGenerator`: one `LocalGenerator` per base, each agent's requests sent to its base's. `generation.backend: server`: `ServerGenerator` sends every
 request to `generation.base_url` (vLLM, SGLang or `mappa serve`), and `sync` publishes each agent's adapter after
 every step and has the server load it (`ServerPolicy.load_adapters`). A server's log-probs are never the update's
 (`samples_exactly` is false: the trainer recomputes them at the sampling temperature, and measures how far the
@@ -17,7 +18,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mappa.chat_engine import ChatEngine, ChatRequest
 from mappa.config import Config
@@ -33,22 +34,30 @@ from mappa.generation.server import ServedGeneration, ServerPolicy
 from mappa.protocols import GenerationLike, Generator, PolicyLike, SamplingSettings
 from mappa.types import Message
 
+if TYPE_CHECKING:
+    from mappa.policies import Policies
+
 
 class LocalGenerator:
-    """The trainer's own policy as a generator: a `ChatEngine` over its sampling copies (`Policy.sampler`), no
-    prefix cache (the weights change every step). The policy's log-probs are exact unless it samples from
-    bfloat16 copies (`Policy.samples_exactly`)."""
+    """The trainer's own policy as a generator: a `ChatEngine` over its sampling copies (`Policy.sampler`), every
+    agent's decoder alive at once (`ChatEngine._interleave`). The policy's log-probs are exact unless it samples
+    from bfloat16 copies (`Policy.samples_exactly`)."""
 
-    def __init__(self, policy: Any, max_batch: int = 16) -> None:
+    def __init__(self, policy: Any, max_batch: int = 16, prefix_cache_mib: float = 256) -> None:
         self.policy = policy
-        self.engine = ChatEngine(policy, max_batch=max_batch, prefix_cache_mib=0, sampler=True)
+        # The prefix cache keys prompt KV by the weights it was computed with (`ChatEngine._owner`): a prompt that
+        # starts like an earlier one of the same agent at the same step (its system prompt, its own earlier turns)
+        # prefills only the rest.
+        self.engine = ChatEngine(
+            policy, max_batch=max_batch, prefix_cache_mib=prefix_cache_mib, sampler=True, interleave=True
+        )
         self._seen = dict.fromkeys(("steps", "row_steps", "prefill_s", "decode_s"), 0.0)
 
     @property
     def samples_exactly(self) -> bool:
         return self.policy.samples_exactly
 
-    def chat_ids(self, messages: Sequence[Message]) -> list[int]:
+    def chat_ids(self, agent: str, messages: Sequence[Message]) -> list[int]:
         return self.policy.chat_ids(messages)
 
     async def generate(
@@ -77,6 +86,56 @@ class LocalGenerator:
         self.engine.close()
 
 
+class TeamGenerator:
+    """The local backend for a team on several base models (`mappa.policies.Policies`): one `LocalGenerator` per
+    base, and each request sent to its agent's, so that the agent's prompt is templated, sampled and scored with its
+    own base's tokenizer and weights. The bases decode side by side, each on its engine's thread."""
+
+    def __init__(self, policies: Policies, max_batch: int = 16) -> None:
+        self.bases = [LocalGenerator(policy, max_batch=max_batch) for policy in policies]
+        self._of = {agent: base for base in self.bases for agent in base.policy.agents}
+
+    @property
+    def samples_exactly(self) -> bool:
+        return all(base.samples_exactly for base in self.bases)
+
+    def _base(self, agent: str) -> LocalGenerator:
+        if agent not in self._of:
+            raise MappaError(f"generation: unknown agent {agent!r} (agents: {', '.join(self._of)})")
+        return self._of[agent]
+
+    def chat_ids(self, agent: str, messages: Sequence[Message]) -> list[int]:
+        return self._base(agent).chat_ids(agent, messages)
+
+    async def generate(
+        self, agent: str, messages: Sequence[Message], prompt_ids: Sequence[int], sampling: SamplingSettings,
+        seed: int | None,
+    ) -> GenerationLike:  # fmt: skip
+        return await self._base(agent).generate(agent, messages, prompt_ids, sampling, seed)
+
+    def sync(self, policy: Any, version: int) -> dict[str, float]:
+        return {}  # each base samples from its policy itself, as `LocalGenerator` does
+
+    def stats(self) -> dict[str, float]:
+        """The bases' counters, added up (as a Ray run adds up its workers')."""
+        out: dict[str, float] = {}
+        for base in self.bases:
+            for k, v in base.stats().items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    def close(self) -> None:
+        for base in self.bases:
+            base.close()
+
+
+def local_generator(policies: Policies, max_batch: int = 16) -> Generator:
+    """The local backend over a team's policies: a `LocalGenerator` on its one base, a `TeamGenerator` on several."""
+    if len(policies) == 1:
+        return LocalGenerator(policies.single, max_batch=max_batch)
+    return TeamGenerator(policies, max_batch=max_batch)
+
+
 class PolicyGenerator:
     """Any `PolicyLike` (a batched, synchronous `generate`: a scripted policy in a test, a user's own) as a
     generator: the requests waiting whenever it is free go in one call, one agent and one sampling setting at a
@@ -88,7 +147,7 @@ class PolicyGenerator:
         self._waiting: list[tuple[str, Sequence[Message], SamplingSettings, int | None, asyncio.Future]] = []
         self._busy: asyncio.Task | None = None
 
-    def chat_ids(self, messages: Sequence[Message]) -> list[int]:
+    def chat_ids(self, agent: str, messages: Sequence[Message]) -> list[int]:
         return self.policy.chat_ids(messages)
 
     async def generate(
@@ -140,7 +199,7 @@ class ServerGenerator:
     def __init__(self, server: ServerPolicy, adapter_root: Path) -> None:
         self.server, self.adapter_root = server, adapter_root
 
-    def chat_ids(self, messages: Sequence[Message]) -> list[int]:
+    def chat_ids(self, agent: str, messages: Sequence[Message]) -> list[int]:
         return self.server.chat_ids(messages)
 
     async def generate(
@@ -204,21 +263,9 @@ def build_generator(cfg: Config, policy: Any, run_dir: Path | None = None, step:
     return generator
 
 
-def logprob_gap(metrics: dict[str, float]) -> dict[str, float]:
-    """`generation/logprob_gap`: the token-weighted mean of the update groups' `agent/<group>/logprob_gap` in
-    `metrics` (the server backend's update reports them); nothing when there is none."""
-    gaps = {k.removesuffix("/logprob_gap"): v for k, v in metrics.items() if k.endswith("/logprob_gap")}
-    tokens = {g: metrics.get(f"{g}/tokens", 0.0) for g in gaps}
-    if sum(tokens.values()) <= 0:
-        return {}
-    return {"generation/logprob_gap": sum(gaps[g] * tokens[g] for g in gaps) / sum(tokens.values())}
-
-
-def step_sync(
-    generator: Generator, policy: Any, version: int, metrics: dict[str, float] | None = None
-) -> dict[str, float]:
+def step_sync(generator: Generator, policy: Any, version: int) -> dict[str, float]:
     """After a step's updates: the rollout's generation counters, then the new weights to the generator."""
-    return {**generator.stats(), **logprob_gap(metrics or {}), **generator.sync(policy, version)}
+    return {**generator.stats(), **generator.sync(policy, version)}
 
 
 __all__ = [
@@ -227,12 +274,13 @@ __all__ = [
     "ServedGeneration",
     "ServerGenerator",
     "ServerPolicy",
+    "TeamGenerator",
     "adapter_name",
     "adapter_root",
     "adapter_states",
     "build_generator",
     "check_backend",
-    "logprob_gap",
+    "local_generator",
     "publish_adapters",
     "step_sync",
     "version_dir",
