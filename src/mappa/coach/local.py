@@ -12,11 +12,17 @@ Prompts are counted with the coach model's own chat template and tokenizer, agai
 `coach.max_context_tokens` (default: the model's context length) less the reply's `coach.max_tokens`; its
 special strings (`<|im_end|>`, ...) are broken up in agent text, which the tokenizer would otherwise read as
 the end of the coach's turn.
+With `coach.judge: logprob` the same model and prompt give the verdict without writing it: one forward pass, the score
+read from the next token's distribution (`mappa.coach.logprob_judge`); both batch through `Batcher`.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+import torch
 
 from mappa.coach.judge import ChatCoach, Fit, Reply, RequestFailed
 from mappa.coach.parse import TokenLogprob
@@ -31,33 +37,86 @@ TOP_LOGPROBS = 20
 COACH_AGENT = "coach"  # the one agent name of a policy loaded only to coach (its adapters stay disabled)
 
 
-def _messages(chat: ChatMessages) -> tuple[Message, ...]:
+Q = TypeVar("Q")
+R = TypeVar("R")
+
+
+def as_messages(chat: ChatMessages) -> tuple[Message, ...]:
+    """A chat as the policy's messages."""
     return tuple(Message(role=m["role"], content=m["content"]) for m in chat)
+
+
+class Batcher(Generic[Q, R]):
+    """Requests that arrive while the model is busy wait, then run together: `run(batch)` in a worker thread, on every
+    waiting request of the first one's `key`; repeated while more arrived meanwhile.
+
+    Started by the first request to arrive; requests started with it (one `score_many`) have all queued by the time
+    it runs, since each runs up to its await before the drainer gets its turn. A failing `run` fails every request
+    of its batch with `RequestFailed`. `sizes`: requests per call of `run`, in order.
+    """
+
+    def __init__(self, run: Callable[[list[Q]], list[R]], key: Callable[[Q], Hashable] = lambda q: None) -> None:
+        self.run = run
+        self.key = key
+        self.sizes: list[int] = []
+        self._waiting: list[tuple[Q, asyncio.Future[R]]] = []
+        self._drainer: asyncio.Task[None] | None = None  # runs what waits; None while idle
+
+    async def __call__(self, request: Q) -> R:
+        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._waiting.append((request, future))
+        if self._drainer is None:
+            self._drainer = asyncio.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        try:
+            while self._waiting:
+                key = self.key(self._waiting[0][0])
+                batch = [w for w in self._waiting if self.key(w[0]) == key]
+                self._waiting = [w for w in self._waiting if self.key(w[0]) != key]
+                self.sizes.append(len(batch))
+                try:
+                    results = await asyncio.to_thread(self.run, [request for request, _ in batch])
+                except Exception as e:  # noqa: BLE001 - every waiting request must hear of it
+                    for _, future in batch:
+                        future.set_exception(RequestFailed(f"{type(e).__name__}: {e}"))
+                    continue
+                for (_, future), result in zip(batch, results, strict=True):
+                    future.set_result(result)
+        finally:
+            self._drainer = None
+
+
+def coach_policy(cfg: CoachConfig, policy: Policy | None, dtype: torch.dtype | None = None) -> tuple[Policy, str]:
+    """The model that coaches and its name: `coach.model` loaded here (in `dtype`; None: float32 on the CPU), else the
+    trainer's policy (its frozen base)."""
+    if cfg.model:
+        from mappa.models import load_base_model
+
+        base, tokenizer = load_base_model(cfg.model, dtype=dtype)
+        return Policy.from_model(base, tokenizer, [COACH_AGENT], base_name=cfg.model), cfg.model
+    if policy is not None:
+        return policy, policy.base_name or "policy-base"
+    raise MappaError("coach.model: the local backend needs a model (e.g. coach.model=smollm2-135m-instruct)")
 
 
 class LocalCoach(ChatCoach):
     name = "local"
 
-    def __init__(self, cfg: CoachConfig, template: Template, policy: Policy | None = None) -> None:
-        if cfg.model:
-            from mappa.models import load_base_model
-
-            base, tokenizer = load_base_model(cfg.model)
-            policy = Policy.from_model(base, tokenizer, [COACH_AGENT], base_name=cfg.model)
-            self.model = cfg.model
-        elif policy is not None:
-            self.model = policy.base_name or "policy-base"
-        else:
-            raise MappaError("coach.model: the local backend needs a model (e.g. coach.model=smollm2-135m-instruct)")
+    def __init__(
+        self, cfg: CoachConfig, template: Template, policy: Policy | None = None, dtype: torch.dtype | None = None
+    ) -> None:
+        policy, self.model = coach_policy(cfg, policy, dtype)
         super().__init__(cfg, template)
         self.endpoint = f"the local model {self.model}"
         self.policy = policy
         self.context_tokens = cfg.max_context_tokens or policy.model.config.max_position_embeddings
-        count = lambda chat: len(policy.chat_ids(_messages(chat)))  # noqa: E731 - the coach's own template and tokens
+        count = lambda chat: len(policy.chat_ids(as_messages(chat)))  # noqa: E731 - the coach's own template and tokens
         self.fit = Fit(self.prompt_budget(self.context_tokens, count), count, special_strings(policy.tokenizer))
-        self.batches: list[int] = []  # judgments per generate call, in order
-        self._waiting: list[tuple[ChatMessages, int, asyncio.Future[Generation]]] = []  # (chat, token cap, reply)
-        self._drainer: asyncio.Task[None] | None = None  # decodes what waits; None while idle
+        # (chat, token cap) -> its generation; one cap per call: requests asked again with more room wait their turn
+        self._generations = Batcher(self._generate, key=lambda request: request[1])
+        self.batches = self._generations.sizes  # judgments per generate call, in order
         self._token_text: dict[int, str] = {}
 
     def token_text(self, token_id: int) -> str:
@@ -66,47 +125,20 @@ class LocalCoach(ChatCoach):
             text = self._token_text[token_id] = self.policy.tokenizer.decode([token_id])
         return text
 
-    def _generate(self, chats: list[ChatMessages], cap: int) -> list[Generation]:
+    def _generate(self, requests: list[tuple[ChatMessages, int]]) -> list[Generation]:
         return self.policy.generate(
             None,  # the frozen base: adapters disabled
-            [_messages(c) for c in chats],
+            [as_messages(chat) for chat, _ in requests],
             temperature=self.cfg.temperature,
-            max_new_tokens=cap,
+            max_new_tokens=requests[0][1],
             top_logprobs=TOP_LOGPROBS if self.cfg.expected_score else 0,
             batch_size=self.cfg.concurrency,
         )
 
-    async def _drain(self) -> None:
-        """Decode everything waiting in one call, in a worker thread; repeat while more arrived meanwhile.
-
-        Started by the first judgment to arrive; judgments started with it (one `score_many`) have all
-        queued by the time it runs, since each runs up to this await before the drainer gets its turn.
-        """
-        try:
-            while self._waiting:
-                cap = self._waiting[0][1]  # one cap per call: requests asked again with more room wait their turn
-                batch = [w for w in self._waiting if w[1] == cap]
-                self._waiting = [w for w in self._waiting if w[1] != cap]
-                self.batches.append(len(batch))
-                try:
-                    gens = await asyncio.to_thread(self._generate, [chat for chat, _, _ in batch], cap)
-                except Exception as e:  # noqa: BLE001 - every waiting judgment must hear of it
-                    for _, _, future in batch:
-                        future.set_exception(RequestFailed(f"{type(e).__name__}: {e}"))
-                    continue
-                for (_, _, future), gen in zip(batch, gens, strict=True):
-                    future.set_result(gen)
-        finally:
-            self._drainer = None
-
     async def complete(self, messages: ChatMessages, reply_tokens: int | None = None) -> Reply:
         self.counters.calls += 1
-        future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
-        self._waiting.append((messages, self.cfg.reply_cap(reply_tokens), future))
-        if self._drainer is None:
-            self._drainer = asyncio.create_task(self._drain())
         try:
-            gen = await future
+            gen = await self._generations((messages, self.cfg.reply_cap(reply_tokens)))
         except RequestFailed:
             self.counters.failures += 1
             raise
