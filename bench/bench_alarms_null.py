@@ -102,7 +102,7 @@ def residual_series(run: RunData) -> dict[str, tuple[list[int], np.ndarray]]:
         if not rows:
             continue
         steps, score, correct, quality = (np.array(c) for c in zip(*rows, strict=True))
-        _, resid = least_squares_residuals(score, truth_design(correct, quality, None))
+        _, resid = least_squares_residuals(score, truth_design(correct, quality))
         uniq, index = np.unique(steps, return_inverse=True)
         out[agent] = (uniq.tolist(), np.bincount(index, weights=resid) / np.bincount(index))
     return out

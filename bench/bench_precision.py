@@ -77,7 +77,7 @@ def run_update(
         for p, s in zip(params, start, strict=True):
             p.copy_(s)
     update = {"mini_batch_size": len(actions) // 2, "micro_batch_size": micro, "cpu_autocast": mode}
-    settings = UpdateSettings(Config().train.model_copy(update=update), 1.0, 0.1, True, False)
+    settings = UpdateSettings(Config().train.model_copy(update=update), 1.0, 0.1, samples_exactly=True)
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     steps: list[dict[str, float]] = []
     t0 = time.perf_counter()

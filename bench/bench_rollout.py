@@ -71,7 +71,8 @@ def compare(config: str, episodes: int, rounds: int, rev: str) -> None:
             seen: dict[str, list[dict[str, float]]] = {k: [] for k in sides}
             for r in range(rounds):
                 for side, src in sides.items() if r % 2 == 0 else reversed(sides.items()):
-                    env = {**os.environ, "PYTHONPATH": str(src)}
+                    # as `mappa` runs: OpenMP threads that spin on a shared, oversubscribed CPU slow every matmul
+                    env = {**os.environ, "PYTHONPATH": str(src), "OMP_WAIT_POLICY": "PASSIVE"}
                     cmd = [sys.executable, __file__, "--arm", config, str(episodes), str(r)]
                     done = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True)
                     if done.returncode != 0:

@@ -182,9 +182,9 @@ def main() -> None:
             t0 = time.perf_counter()
             trl_update(trainer, batch)
             t1 = time.perf_counter()
-            update_group(policy, opt, fixed, scores, update_settings(cfg))
+            update_group(policy, opt, fixed, scores, update_settings(cfg, policy.samples_exactly))
             t2 = time.perf_counter()
-            update_group(policy, opt, fixed, scores, update_settings(plain))
+            update_group(policy, opt, fixed, scores, update_settings(plain, policy.samples_exactly))
             t3 = time.perf_counter()
             if rep:
                 times["trl"].append(t1 - t0)
@@ -220,7 +220,8 @@ def main() -> None:
             t0 = time.perf_counter()
             gens = policy.generate("agent", convs, max_new_tokens=a.tokens, temperature=1.0)
             acts = actions_from(gens, convs)
-            update_group(policy, opt, acts, [r * 10 for r in reward([g.text for g in gens])], update_settings(cfg))
+            rewards = [r * 10 for r in reward([g.text for g in gens])]
+            update_group(policy, opt, acts, rewards, update_settings(cfg, policy.samples_exactly))
             if rep:
                 ours_times.append(time.perf_counter() - t0)
                 ours_tok.append(sum(len(g.response_ids) for g in gens))

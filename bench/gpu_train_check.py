@@ -128,14 +128,15 @@ def run_step(
         _sync(device)
         t1 = time.perf_counter()
         scores = [rng.uniform(0, 10) for _ in actions]
-        job = UpdateJob(actions, scores, seed=step, peak_lr=1e-5, step=step - 1, settings=update_settings(cfg))
-        stats = apply_update(policy, optimizers[ag], job)
+        settings = update_settings(cfg, policy.samples_exactly)
+        job = UpdateJob(actions, scores, seed=step, peak_lr=1e-5, step=step - 1, settings=settings)
+        update = apply_update(policy, optimizers[ag], job).update
         _sync(device)
         t2 = time.perf_counter()
-        if not torch.isfinite(torch.tensor(stats["loss"])):
-            raise SystemExit(f"step {step} agent {ag}: non-finite loss {stats['loss']}")
+        if update is None or not torch.isfinite(torch.tensor(update.loss)):
+            raise SystemExit(f"step {step} agent {ag}: no update or a non-finite loss ({update})")
         roll_tok += sum(len(x.response_ids) for x in actions)
-        upd_tok += int(stats["tokens"])
+        upd_tok += int(update.tokens)
         roll_s, upd_s = roll_s + t1 - t0, upd_s + t2 - t1
         flops += update_flops(policy.model, actions)
     row = {"step": step, "rollout_tokens_per_s": roll_tok / roll_s if a.ranks == 1 else None, "update_tokens_per_s": upd_tok / upd_s,

@@ -239,3 +239,40 @@ def test_train_with_a_coach_that_is_down_stops_at_the_self_test(tmp_path: Path) 
         f"mappa: error: self-test: the coach did not answer (request failed: cannot connect to {url}"
     )
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()  # no step, no eval
+
+
+def test_the_step_table_says_its_agent_columns_are_mean_coach_scores() -> None:
+    """`mappa train`'s step table: a header line over the agent columns says what their numbers are, the header is
+    printed once, each step's row reads the step's typed results, and a group that trained on nothing gets its
+    line after the row."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from mappa.cli.train import Printer
+    from mappa.config import Config
+    from mappa.tracking import StepResult
+    from mappa.trainer import Event
+    from mappa.update import GroupResult, UpdateStats
+
+    out = StringIO()
+    printer = Printer(Console(file=out, width=200), Config())
+    agents = printer.agents
+    update = UpdateStats(0.25, 1.0, 0.5, 1.0, 0.0, 1.0, 0.125, 1.0, 12.0, 2)
+    dropped = {"empty": 0, "infra_error": 0, "truncated": 3, "unscored": 0}
+    groups = {a: GroupResult(2, dropped, 7.0, 1.0, 1e-5, update) for a in agents}
+    groups[agents[-1]] = GroupResult(0, dropped, None, None, 1e-5, None)
+    episodes = {"train/accuracy": 0.5, **{f"train/{a}/score_mean": 7.25 + i for i, a in enumerate(agents)}}
+    for step in (1, 2):
+        printer(Event("step", step, result=StepResult(step, agents, episodes, groups, {}, {}, 3.0, 4.0, 10)))
+    over, header, row, untrained, row2, _ = out.getvalue().splitlines()
+    label = over.strip().strip("-").strip()
+    assert label == "mean coach score (0-10)"
+    start, end = header.index(agents[0][:12]), header.index(agents[-1][:12]) + len(agents[-1][:12])
+    assert start <= over.index(label) and over.index(label) + len(label) <= end  # over the agent columns
+    assert header.split()[:2] == ["step", "acc"] and header.split()[-4:] == ["loss/kl", "opt", "clip", "s"]
+    assert row.split() == ["1", "50%", "7.25", "8.25", "9.25", "+0.250/0.125", "4", "50.0%", "7"]
+    assert untrained == f"step 1: {agents[-1]} trained on no action: 3 of 3 cut off at generation.max_new_tokens=" + (
+        f"{Config().generation.max_new_tokens} (train.drop_truncated)"
+    )
+    assert row2.split()[0] == "2"

@@ -143,7 +143,8 @@ def test_prompt_never_renders_ground_truth_for_non_final_agents() -> None:
     for template in TEMPLATES.values():
         text = "\n".join(m["content"] for m in build_messages(leaked, template))
         assert GROUND_TRUTH not in text
-        assert "ANSWER_CORRECT" not in text
+        # the paper's MathChat text names ANSWER_CORRECT to every agent (its wording); ours only to the final one
+        assert "ANSWER_CORRECT" not in text or template.name == "mathchat_paper"
     assert "ANSWER_CORRECT" not in follow_up_message(False)["content"]
 
 
@@ -185,6 +186,61 @@ def test_templates_are_versioned_and_selectable() -> None:
     assert template_for("", "some_new_workflow").name == "generic"
     assert template_for("generic", "mathchat").name == "generic"
     assert len({t.version for t in TEMPLATES.values()}) == len(TEMPLATES)
+
+
+PAPER_TEXTS = {  # sha256 of the published coach prompts (ltjed/multiagent-coaching@ed66921), never edited here
+    "MATHCHAT": "2c794ef38103152dd092e1521db0703a7c24fb7b8e59d2460ddfa757d6232851",
+    "DS_PIPELINE": "0ace93c0b4af730b3263ee2f73cd3d467f88b84702d96223c164c873d69cd720",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_TEXTS))
+def test_the_paper_coach_texts_are_the_published_ones(name: str) -> None:
+    import hashlib
+
+    from mappa.coach import paper_templates
+
+    assert hashlib.sha256(getattr(paper_templates, name).encode()).hexdigest() == PAPER_TEXTS[name]
+
+
+def test_the_paper_templates_fill_the_published_text_with_fenced_evidence() -> None:
+    """coach.template: mathchat_paper: the published text with its fields filled as the published coach filled them
+    (the agent's title as its role, "N/A" where it had no ground truth or no tool call), every agent-written value
+    fenced; the text around the fields is the published one, word for word."""
+    from mappa.coach.paper_templates import MATHCHAT
+
+    verifier = ctx(agent="verifier", is_final=True, ground_truth=GROUND_TRUTH, output="\\boxed{5}", **NO_TOOL)
+    system, user = build_messages(verifier, template_for("mathchat_paper", "mathchat"))
+    text = user["content"]
+    assert text.startswith(MATHCHAT.split("{")[0])  # the published opening, up to its first field
+    for piece in MATHCHAT.split("\n\n")[1:3]:  # its workflow description, verbatim
+        assert piece in text
+    assert "**Current agent being evaluated:**\nVerifier\n" in text  # the title, as the published code passed it
+    assert "**Environment feedback for the agent's tool call (if applicable):**\nN/A (no tools used)" in text
+    assert "**Ground truth answer (if applicable):**\n<<<EVIDENCE-" in text and GROUND_TRUTH in text
+    assert "\\boxed{5}" in text and "fenced" not in text and "EVIDENCE-" in system["content"]
+    coder = build_messages(ctx(), template_for("mathchat_paper", "mathchat"))[1]["content"]
+    assert "**Ground truth answer (if applicable):**\nN/A\n" in coder and "print(2 + 3)" in coder
+    assert coder.rstrip().endswith("write the PROCESS_SCORE line alone.")  # where the parser reads the verdict
+    ours = build_messages(verifier, template_for("", "mathchat"))[1]["content"]
+    assert "You are evaluating a specific agent" not in ours  # the default stays ours
+
+
+def test_the_data_science_paper_template_shows_files_and_the_enforced_cap() -> None:
+    analyst = ctx(
+        workflow="ds_pipeline", agent="analyst", is_final=True, files_visible=("X_train.pkl",),
+        files_by_agent={"data_engineer": ("X_train.pkl",), "modeler": ()},
+        extra={"test_evaluation": {"valid": False, "metric": "roc_auc", "score": None, "reason": "no file"},
+               "target_statistics": {"rows": 9}, "missing_upstream": {"X_test.pkl": "data_engineer"},
+               "cap_rules": "paper"},
+    )  # fmt: skip
+    text = build_messages(analyst, template_for("ds_pipeline_paper", "ds_pipeline"))[1]["content"]
+    assert "**Current agent:**\nanalyst\n" in text and "**Role of the current agent:**\nanalyst\n" in text
+    assert '- Data Engineer saved: "X_train.pkl"' in text and "- Modeler saved: NO FILES SAVED" in text
+    assert "Hard cap on this action's score: at most 5" in text  # the paper's rules: an upstream file missing
+    first = build_messages(ctx(workflow="ds_pipeline", agent="data_engineer"), template_for("ds_pipeline_paper", ""))
+    assert "(This is the first agent - no previous files)" in first[1]["content"]
+    assert "**Ground truth evaluation results (computed metrics):**\nN/A\n" in first[1]["content"]
 
 
 def _literal(model: type, field: str) -> set[str]:

@@ -37,8 +37,14 @@ def test_preset_names_known_components(path: Path) -> None:
     assert cfg.workflow.name in WORKFLOWS
 
 
+MATHCHAT_RUNS = [
+    "mathchat.yaml", "mathchat_outcome.yaml", "mathchat_r1_1p5b.yaml", "mathchat_coach_flash_lite.yaml",
+    "mathchat_coach_pro.yaml",
+]  # fmt: skip
+
+
 @pytest.mark.skipif(not DATA.is_dir(), reason="math data directory not present")
-@pytest.mark.parametrize("name", ["mathchat.yaml", "mathchat_outcome.yaml"])
+@pytest.mark.parametrize("name", MATHCHAT_RUNS)
 def test_paper_presets_resolve_their_data(name: str) -> None:
     from mappa.tasks import load_tasks
 
@@ -46,6 +52,7 @@ def test_paper_presets_resolve_their_data(name: str) -> None:
     train = load_tasks(cfg.tasks.train, cfg.tasks, "train", cfg.seed)
     held_out = load_tasks(cfg.tasks.eval, cfg.tasks, "eval", cfg.seed)
     assert len(train) == 512
+    assert [t.id for t in train[:3]] == ["aime-1983-1", "aime-1983-3", "aime-1983-4"]  # the published draw
     assert len(held_out) == 30 + 32  # AIME 2025 + the AMC eval set
     assert not {t.problem for t in train} & {t.problem for t in held_out}
 
@@ -116,3 +123,50 @@ def test_reward_scale_defaults_to_the_workflows_published_value() -> None:
     assert WorkflowConfig(name="ds_pipeline").score_scale == 1.0
     assert WorkflowConfig(name="ds_pipeline", reward_scale=0.1).score_scale == 0.1
     assert load_config(ROOT / "configs" / "ds_demo.yaml").workflow.score_scale == 1.0
+
+
+@pytest.mark.parametrize("name", [*MATHCHAT_RUNS, "ds_pipeline.yaml"])
+def test_paper_presets_run_the_published_prompts_loss_and_rules(name: str) -> None:
+    """The paper presets as the paper ran them: its agent and coach prompts, every action weighing the same in the
+    loss, its training draw; the data-science team stopping and capped as published."""
+    cfg = load_config(ROOT / "configs" / name)
+    assert cfg.workflow.prompts == "paper" and cfg.train.loss_aggregation == "action"
+    assert cfg.workflow.show_coach_feedback is False
+    if cfg.coach.backend != "outcome":
+        assert cfg.coach.template == f"{cfg.workflow.name}_paper"
+    if cfg.workflow.name == "ds_pipeline":
+        assert cfg.workflow.ds_stop_when_done is False and cfg.workflow.ds_caps == "paper"
+    else:
+        assert cfg.tasks.train_draw == "paper"
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "ds_demo.yaml"])
+def test_the_demos_keep_our_measured_settings(name: str) -> None:
+    cfg = load_config(ROOT / "configs" / name)
+    w = cfg.workflow
+    assert (w.prompts, w.ds_stop_when_done, w.ds_caps, cfg.coach.template) == ("mappa", True, "mappa", "")
+    assert (cfg.train.loss_aggregation, cfg.tasks.train_draw) == ("token", "mappa")
+
+
+@pytest.mark.parametrize(
+    ("name", "differs"),
+    [
+        ("mathchat_r1_1p5b.yaml", {"name": "mathchat-r1-1.5b", "model": {"name": "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"}}),
+        ("mathchat_coach_flash_lite.yaml", {"name": "mathchat-coach-flash-lite", "coach": {
+            "model": "gemini-2.0-flash-lite", "thinking_budget": None, "price_prompt_per_m": 0.075,
+            "price_completion_per_m": 0.30}}),
+        ("mathchat_coach_pro.yaml", {"name": "mathchat-coach-pro", "coach": {
+            "model": "gemini-2.5-pro", "thinking_budget": 4096, "price_prompt_per_m": 1.25,
+            "price_completion_per_m": 10.0}}),
+    ],
+)  # fmt: skip
+def test_the_papers_other_runs_differ_from_mathchat_only_where_they_should(name: str, differs: dict) -> None:
+    """The 1.5B team and the coach-strength ablation (one run per coach): mathchat.yaml with one change each."""
+    base = load_config(ROOT / "configs" / "mathchat.yaml").model_dump()
+    run = load_config(ROOT / "configs" / name).model_dump()
+    for key, value in differs.items():
+        if isinstance(value, dict):
+            base[key].update(value)
+        else:
+            base[key] = value
+    assert run == base

@@ -83,6 +83,8 @@ def test_merge_counts_sums_and_recomputes_rates() -> None:
     b = {"judgments": 6.0, "unscored": 0.0, "unscored_rate": 0.0, "latency_p95_s": 3.0, "calls": 7.0}
     merged = merge_counts([a, b])
     assert merged == {"judgments": 10.0, "unscored": 1.0, "unscored_rate": 0.1, "latency_p95_s": 3.0, "calls": 11.0}
+    cut = merge_counts([{"replies": 4.0, "cut_replies": 1.0, "cut_rate": 0.25}, {"replies": 4.0, "cut_replies": 3.0}])
+    assert cut["cut_rate"] == 0.5  # the share of all replies, not a sum of shares
     versions = merge_counts([{"generation/adapter_version": 3.0}, {"generation/adapter_version": 3.0}])
     assert versions == {"generation/adapter_version": 3.0}
 

@@ -114,7 +114,8 @@ def team(tasks: Sequence[Task], script: Callable[[Task, str, int], str]) -> Repl
     """A reply per (task, agent, turn): the task is recognised by its description in the first user turn."""
 
     def reply(agent: str | None, conv: Sequence[Message]) -> str:
-        task = next(t for t in tasks if t.problem.strip() in conv[1].content)
+        first = next(m for m in conv if m.role == "user")  # after the system prompt, or alone (the paper's)
+        task = next(t for t in tasks if t.problem.strip() in first.content)
         return script(task, str(agent), sum(m.role == "user" for m in conv) - 1)
 
     return reply
@@ -139,8 +140,10 @@ class RecordingScorer:
 GEN = GenerationConfig(max_new_tokens=2048, max_context_tokens=8192, batch_size=8)
 
 
-def play(tasks, script, sandbox, *, turns: int = 2, keep: bool = False, scorer=None) -> list[Episode]:  # type: ignore[no-untyped-def]
-    wf = DsPipeline(WorkflowConfig(name="ds_pipeline", ds_max_turns=turns), SandboxConfig(keep_workspaces=keep))
+def play(tasks, script, sandbox, *, turns: int = 2, keep: bool = False, scorer=None, **settings) -> list[Episode]:  # type: ignore[no-untyped-def]
+    """`settings`: further `WorkflowConfig` fields (prompts, ds_stop_when_done, ds_caps, show_coach_feedback)."""
+    cfg = WorkflowConfig(name="ds_pipeline", ds_max_turns=turns, **settings)
+    wf = DsPipeline(cfg, SandboxConfig(keep_workspaces=keep))
     return play_scripted(
         wf, tasks, ScriptedPolicy(team(tasks, script)), sandbox, scorer, gen=GEN, keep_workspaces=keep
     )
@@ -256,6 +259,64 @@ def test_a_forgotten_x_test_is_blamed_on_the_data_engineer_not_the_modeler(bench
     assert "Test-set evaluation" not in de_prompt and 'missing after the action: "X_test.pkl"' in de_prompt
 
 
+def test_the_papers_stop_rule_spends_the_turns_an_agent_has(bench: Path, sandbox) -> None:
+    """workflow.ds_stop_when_done: false, the paper's rule: an agent whose job is done still takes its next turn
+    (the reference team then says "Done." without code, which ends it); ours stops it once its files count."""
+    tasks = load_dsbench(bench, "train")[:1]
+    (ours,) = play(tasks, reference_team, sandbox)
+    scorer = RecordingScorer()
+    (paper,) = play(tasks, reference_team, sandbox, scorer=scorer, ds_stop_when_done=False, ds_caps="paper")
+    assert [a.agent for a in ours.actions] == ["data_engineer", "modeler", "analyst"]
+    # workflow.ds_caps is recorded with the evidence, so the coach (and a replay) caps by the paper's rules
+    assert {c.extra.get("cap_rules") for c in scorer.contexts} == {"paper"} and "cap_rules" not in ours.actions[
+        -1
+    ].evidence
+    assert [a.agent for a in paper.actions] == ["data_engineer"] * 2 + ["modeler"] * 2 + ["analyst"] * 2
+    assert [a.exec_result is None for a in paper.actions] == [False, True] * 3 and paper.correct
+
+
+def test_the_papers_prompts_and_coach_feedback_in_the_data_science_team(bench: Path, sandbox) -> None:
+    """workflow.prompts: paper: each agent's one first user message is the published template (the Analyst's file
+    list with the published warning), a run returns a bare <tool_response>. workflow.show_coach_feedback: each
+    later agent's first message carries the coach's note on the final action it is shown of each earlier agent."""
+    from mappa.workflows import paper_prompts as paper
+
+    tasks = load_dsbench(bench, "train")[:1]
+
+    def script(task: Task, agent: str, turn: int) -> str:
+        if agent == "data_engineer":
+            return fenced(FORGETFUL_ENGINEER) if turn == 0 else "<think>plan</think>I saved the training data."
+        return fenced(reference_snippets(task)[agent])
+
+    scorer = RecordingScorer()
+    (e,) = play(tasks, script, sandbox, scorer=scorer, prompts="paper", show_coach_feedback=True)
+    de, modeler, analyst = by_agent(e, "data_engineer"), by_agent(e, "modeler"), by_agent(e, "analyst")
+    files = ["description.txt", "sample_submission.csv", "test.csv", "train.csv"]
+    first = paper.DS_DATA_ENGINEER.format(
+        task_description=tasks[0].problem, available_files_list=paper.files_list(files)
+    )
+    assert [m.role for m in de[1].messages] == ["user", "assistant", "user"] and de[0].messages[0].content == first
+    assert de[1].messages[2].content.startswith("<tool_response>\n") and "Files in the folder" not in str(
+        de[1].messages
+    )
+    modeler_first = modeler[0].messages[0].content
+    assert modeler_first.startswith("You are a Modeler in a data science pipeline.")
+    assert "**Preprocessing Summary from Data Engineer:**\nI saved the training data." in modeler_first
+    note = f"Coach feedback on Data Engineer ({de[1].coach.score:g}/10): {de[1].coach.rationale}"
+    assert modeler_first.endswith(note)
+    analyst_first = analyst[0].messages[0].content
+    assert (
+        "\u26a0\ufe0f WARNING: CRITICAL FILES MISSING:\n    - X_test.pkl (preprocessed test features)\n"
+        in analyst_first
+    )
+    assert "model.pkl (trained model)" not in analyst_first  # the Modeler saved it
+    assert "Coach feedback on Data Engineer" in analyst_first and "Coach feedback on Modeler" in analyst_first
+    # the coach is told each agent's title as its role (the paper's agents had no system prompt)
+    assert {c.agent: c.role for c in scorer.contexts}["modeler"] == "Modeler"
+    (bare,) = play(tasks, script, sandbox, scorer=RecordingScorer(), prompts="paper")
+    assert "Coach feedback" not in str([a.messages for a in bare.actions])  # off: the published behaviour
+
+
 def test_score_caps_follow_the_paper_and_the_reference_share() -> None:
     def test(metric: str, score: float, share: float) -> dict:
         return {"valid": True, "metric": metric, "score": score, "reference_fraction": share}
@@ -269,6 +330,45 @@ def test_score_caps_follow_the_paper_and_the_reference_share() -> None:
     # No success, no valid submission: never above what the trivial prediction earns (test_redteam_dsbench.py).
     assert score_cap({**test("accuracy", 0.90, 1.0), "success": False}, {})[0] == 4
     assert score_cap({"valid": False, "metric": "rmse", "score": None, "reference_fraction": 0.0}, {})[0] == 2
+
+
+def test_the_papers_cap_rules_are_its_prompts_and_travel_in_the_evidence() -> None:
+    """workflow.ds_caps: paper: the published coach prompt's rules alone (dsbench_ds_pipeline.yaml, lines 198-255 of
+    the published code), where ours differ: no reference-share or trivial-prediction cap, RMSE as a share of the
+    IQR for an outlier-heavy target, the upstream-fault exception up to 8, 3-5 for an Analyst an earlier agent
+    left without its files."""
+
+    def test(metric: str, score: float, share: float = 0.02) -> dict:
+        return {"valid": True, "metric": metric, "score": score, "reference_fraction": share}
+
+    assert score_cap(test("accuracy", 0.90), {})[0] == 4  # the majority class: no gain over the trivial prediction
+    assert score_cap(test("accuracy", 0.90), {}, rules="paper")[0] == 9  # the paper's table alone
+    heavy, normal = {"range": 100.0, "iqr": 5.0}, {"range": 100.0, "iqr": 25.0}  # 20 IQRs wide vs 4
+    assert score_cap(test("rmse", 5.0, 1.0), heavy)[0] == 9  # 5% of the range
+    assert score_cap(test("rmse", 5.0, 1.0), heavy, rules="paper")[0] == 4  # 100% of the IQR
+    assert score_cap(test("rmse", 5.0, 1.0), normal, rules="paper")[0] == 9
+    assert score_cap(test("rmsle", 0.3, 0.5), {}, rules="paper")[0] is None  # no table of the paper's covers it
+    upstream = {"X_test.pkl": "data_engineer"}
+    assert score_cap(test("roc_auc", 0.54, 0.0), {}, upstream)[0] == 3
+    assert score_cap(test("roc_auc", 0.54, 0.0), {}, upstream, rules="paper")[0] == 8
+    assert score_cap(test("roc_auc", 0.90, 1.0), {}, upstream, rules="paper")[0] == 9  # never lowered by it
+    invalid = {"valid": False, "metric": "rmse", "score": None}
+    assert [score_cap(invalid, {}, up, rules="paper")[0] for up in ({}, upstream)] == [2, 5]
+    assert [score_cap(invalid, {}, up)[0] for up in ({}, upstream)] == [2, 3]
+    evidence = {"test_evaluation": test("accuracy", 0.90), "target_statistics": {}}
+    ctx = CoachContext(
+        task="t",
+        workflow="ds_pipeline",
+        agent="analyst",
+        role="",
+        is_final=True,
+        messages=[],
+        output="o",
+        extra=evidence,
+    )
+    paper = ctx.model_copy(update={"extra": {**evidence, "cap_rules": "paper"}})
+    assert [apply_caps(c, CoachScore(score=9.0)).score for c in (ctx, paper)] == [4.0, 9.0]
+    assert "cap_rules" not in build_messages(paper, DS_PIPELINE)[1]["content"]  # bookkeeping, not evidence
 
 
 def test_a_task_without_files_is_a_one_line_error(sandbox) -> None:

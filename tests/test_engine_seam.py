@@ -25,6 +25,7 @@ from mappa.protocols import Engine, ProgressFn, StatusFn
 from mappa.tracking import read_metrics
 from mappa.trainer import Event, Parts, Run, train
 from mappa.types import Action, CoachScore, Episode, Message, Task
+from mappa.update import GroupResult, UpdateJob, UpdateStats
 
 TASKS = [Task(id=f"t{i}", problem=f"{i} + 1?", answer=str(i + 1), source="scripted") for i in range(6)]
 HELD_OUT = [Task(id=f"e{i}", problem=f"{i} + 2?", answer=str(i + 2), source="scripted") for i in range(3)]
@@ -50,8 +51,10 @@ class ScriptedEngine:
     an update moves the weight by the mean score plus noise from the global torch RNG (as LoRA dropout would draw
     it), so a resume that lost the RNG, the cursor, the optimizer state or a step shows in the final weight."""
 
-    def __init__(self, agents: Sequence[str], groups: dict[str, list[str]], log: list[str]) -> None:
-        self.agents, self.log = tuple(agents), log
+    def __init__(
+        self, agents: Sequence[str], groups: dict[str, list[str]], log: list[str], samples_exactly: bool = True
+    ) -> None:
+        self.agents, self.log, self.samples_exactly = tuple(agents), log, samples_exactly
         self.weights = Weights()
         self.optimizers = {g: torch.optim.Adam([self.weights.w], lr=0.1) for g in groups}
         self.judgments = 0
@@ -71,22 +74,25 @@ class ScriptedEngine:
         )  # fmt: skip
         return Episode(id=f"{task.id}-{seed}-{i}", workflow="scripted", task=task, actions=actions, correct=True)
 
-    def update(self, jobs: dict[str, Any], status: StatusFn | None = None) -> dict[str, dict[str, float]]:
+    def update(self, jobs: dict[str, UpdateJob], status: StatusFn | None = None) -> dict[str, GroupResult]:
         if status is not None:
             status(f"scripted update of {len(jobs)} groups")
         out = {}
         for g, job in jobs.items():
             self.log.append(f"update {g} step {job.step} seed {job.seed} scores {job.scores}")
+            self.log.append(f"exact {job.settings.samples_exactly}")
             opt = self.optimizers[g]
             opt.zero_grad()
             target = sum(job.scores) / max(len(job.scores), 1) + float(torch.rand(1))
             loss = (self.weights.w - target).pow(2).sum()
             loss.backward()
             opt.step()
-            out[g] = {"loss": float(loss.detach()), "tokens": float(sum(len(a.response_ids) for a in job.actions))}
+            tokens = float(sum(len(a.response_ids) for a in job.actions))
+            stats = UpdateStats(float(loss.detach()), 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, tokens, 1)
+            out[g] = GroupResult.of(job, stats, opt.param_groups[0]["lr"])
         return out
 
-    def step_sync(self, version: int, metrics: dict[str, float] | None = None) -> dict[str, float]:
+    def step_sync(self, version: int) -> dict[str, float]:
         self.log.append(f"sync {version}")
         return {}
 
@@ -116,11 +122,11 @@ class ScriptedEngine:
         self.log.append("close")
 
 
-def scripted(log: list[str], engines: list[ScriptedEngine]) -> Any:
+def scripted(log: list[str], engines: list[ScriptedEngine], samples_exactly: bool = True) -> Any:
     """A `place` that builds the scripted engine: the trainer gets it exactly where it would get a Ray cluster."""
 
     def place(cfg: Config, run_dir: Path, agents: Sequence[str], groups: dict[str, list[str]]) -> Engine:
-        engines.append(ScriptedEngine(agents, groups, log))
+        engines.append(ScriptedEngine(agents, groups, log, samples_exactly))
         return engines[-1]
 
     return place
@@ -134,11 +140,14 @@ def cfg(run_dir: Path, steps: int) -> Config:
     )  # fmt: skip
 
 
-def run(run_dir: Path, steps: int, log: list[str], *, resume: bool = False) -> tuple[ScriptedEngine, list[Event]]:
+def run(
+    run_dir: Path, steps: int, log: list[str], *, resume: bool = False, samples_exactly: bool = True
+) -> tuple[ScriptedEngine, list[Event]]:
     engines: list[ScriptedEngine] = []
     events: list[Event] = []
     parts = Parts(train_tasks=TASKS, eval_tasks=HELD_OUT)
-    train(cfg(run_dir, steps), run_dir, resume=resume, emit=events.append, place=scripted(log, engines), parts=parts)
+    place = scripted(log, engines, samples_exactly)
+    train(cfg(run_dir, steps), run_dir, resume=resume, emit=events.append, place=place, parts=parts)
     return engines[0], events
 
 
@@ -157,6 +166,7 @@ def test_the_loop_drives_any_engine_and_checkpoints_through_it(tmp_path: Path) -
     rows = [r for r in read_metrics(tmp_path / "run") if "time/rollout_s" in r]
     assert [r["coach/judgments"] for r in rows] == [12.0, 24.0, 36.0]  # 4 episodes x 3 agents per step
     assert all(r["agent/problem_solver/tokens"] == 12.0 for r in rows)
+    assert {x for x in log if x.startswith("exact")} == {"exact True"}
     assert latest_checkpoint(tmp_path / "run").name == "step-000003"
     assert {p.name for p in (tmp_path / "run" / "eval").iterdir()} == {"start.jsonl", "final.jsonl", "summary.jsonl"}
     assert float(engine.weights.w.detach()) > 0.5
@@ -180,6 +190,14 @@ def test_a_resume_through_the_protocol_is_exact(tmp_path: Path) -> None:
     assert "restore" in log and log.index("restore") > log.index("close")  # the second engine restored
 
 
+def test_the_update_is_told_what_the_engine_says_of_its_generation(tmp_path: Path) -> None:
+    """Whether the actions' log-probs are the training forward pass's is asked of the engine (its generators), and
+    every group's job carries the answer: the one rule in `mappa.update` decides the recompute from it."""
+    log: list[str] = []
+    run(tmp_path / "run", 1, log, samples_exactly=False)
+    assert {x for x in log if x.startswith("exact")} == {"exact False"}
+
+
 def _methods(cls: type) -> dict[str, list[str]]:
     return {
         name: list(inspect.signature(fn).parameters)
@@ -195,6 +213,9 @@ def test_engines_have_the_protocols_methods(engine: type) -> None:
                            "restore_checkpoint", "close"}  # fmt: skip
     have = _methods(engine)
     assert {name: have.get(name) for name in wanted} == wanted
+    assert typing.get_type_hints(Engine)["samples_exactly"] is bool  # asked of it before every update
+    if engine is not ScriptedEngine:  # the scripted one sets it in __init__
+        assert isinstance(inspect.getattr_static(engine, "samples_exactly"), property)
 
 
 def test_the_run_holds_one_engine_and_nothing_untyped() -> None:

@@ -129,9 +129,9 @@ def test_eval_accuracy_is_the_mean_of_the_written_correct_flags(tmp_path: Path) 
     from mappa.config import SandboxConfig
     from mappa.evaluate import evaluate, write_eval
     from mappa.generation import PolicyGenerator
-    from mappa.workflows import build_workflow
     from mappa.sandbox import Sandbox
     from mappa.types import read_jsonl
+    from mappa.workflows import build_workflow
 
     def reply(agent: str | None, conv) -> str:  # noqa: ANN001
         if agent != "verifier":

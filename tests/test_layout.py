@@ -33,7 +33,7 @@ LAYERS: dict[str, list[str]] = {
     # sandbox.codeblocks reads answers with tasks.answers
     "tasks and sandbox": ["mappa.tasks", "mappa.sandbox"],
     "models": [
-        "mappa.models", "mappa.policy", "mappa.sharding", "mappa.decoding", "mappa.kvcache", "mappa.lora", "mappa.policy_files",
+        "mappa.models", "mappa.policy", "mappa.policies", "mappa.sharding", "mappa.decoding", "mappa.kvcache", "mappa.lora", "mappa.policy_files",
         "mappa.sampling_copies", "mappa.agent_weights", "mappa.decoder", "mappa.prefix_cache", "mappa.chat_engine",
     ],
     "coach": ["mappa.coach"],

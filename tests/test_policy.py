@@ -411,7 +411,7 @@ def test_load_weights_rejects_a_checkpoint_of_other_agents_or_rank(tmp_path):
 def test_manifest_is_what_the_policy_reports_and_bad_ones_name_the_file(tmp_path):
     policy = make_policy("shared", lora_r=4)
     policy.save(tmp_path / "ok")
-    assert read_manifest(tmp_path / "ok") == {"format_version": 1, **policy.manifest()}
+    assert read_manifest(tmp_path / "ok") == {"format_version": 2, **policy.manifest()}  # 2: teams (mappa.policies)
     assert policy.manifest()["adapters"] == dict.fromkeys(AGENTS, "shared")
     path = tmp_path / "bad" / "mappa_policy.json"
     path.parent.mkdir()

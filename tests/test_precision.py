@@ -94,7 +94,7 @@ def run_update(mode: str, actions: list[Action]) -> tuple[list[dict[str, float]]
     before = [p.detach().clone() for p in params]
     update = {"mini_batch_size": len(actions) // 2, "micro_batch_size": 2, "recompute_old_logprobs": False}
     train = Config().train.model_copy(update={**update, "cpu_autocast": mode})
-    settings = UpdateSettings(train, 1.0, 0.1, recompute_old_logprobs=False, report_logprob_gap=False)
+    settings = UpdateSettings(train, 1.0, 0.1, samples_exactly=True)
     seen: set[torch.dtype] = set()
     q_proj = policy.model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj")
     hook = q_proj.register_forward_hook(lambda _m, _i, out: seen.add(out.dtype))

@@ -81,6 +81,25 @@ def test_clipped_pg_loss_hand_computed() -> None:
     assert stats["tokens"] == 7
 
 
+def test_the_two_loss_aggregations_weigh_actions_differently() -> None:
+    """2x4, ratio 1 (per-token loss -A): a one-token action with A=4 and a four-token action with A=-1.
+    token: one mean over the 5 tokens, (-4 + 1 + 1 + 1 + 1) / 5 = 0; action: each action's mean, then the mean
+    over the two, (-4 + 1) / 2 = -1.5 (the short action weighs as much as the long one)."""
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
+    adv = torch.tensor([[4.0, 9.0, 9.0, 9.0], [-1.0, -1.0, -1.0, -1.0]])
+    logp = torch.zeros(2, 4, requires_grad=True)
+    token, _ = clipped_pg_loss(logp, torch.zeros(2, 4), adv, mask, aggregation="token")
+    action, stats = clipped_pg_loss(logp, torch.zeros(2, 4), adv, mask, aggregation="action")
+    assert token.item() == pytest.approx(0.0, abs=1e-7)
+    assert action.item() == pytest.approx(-1.5)
+    assert stats["tokens"] == 5  # the diagnostics stay token means
+    action.backward()
+    # d loss / d logp = -A / (tokens of the action * actions): -4/2 on the short one, 1/8 on each long token
+    torch.testing.assert_close(logp.grad, torch.tensor([[-2.0, 0, 0, 0], [0.125, 0.125, 0.125, 0.125]]))
+    with pytest.raises(ValueError, match="aggregation"):
+        clipped_pg_loss(logp, torch.zeros(2, 4), adv, mask, aggregation="sequence")
+
+
 def test_clipped_pg_loss_gradient_flows_only_where_unclipped() -> None:
     logp = torch.log(torch.tensor([[1.5, 1.1]])).requires_grad_()
     loss, _ = clipped_pg_loss(logp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2))

@@ -69,9 +69,12 @@ def _actions(policy, n: int, temperature: float) -> list[Action]:  # noqa: ANN00
     return [Action.sampled("solver", 0, c, g) for c, g in zip(chats, gens, strict=True)]
 
 
-def _first_step(actions: list[Action], temperature: float, recompute: bool, policy=None) -> dict[str, float]:  # noqa: ANN001
+def _first_step(
+    actions: list[Action], temperature: float, recompute: bool, policy=None, exact: bool = True
+) -> dict[str, float]:  # noqa: ANN001
     """One optimizer step at learning rate 0 (no weight change) with `generation.temperature` set, on `policy`
-    (default: a fresh one with the solver perturbed as `_actions`' callers do)."""
+    (default: a fresh one with the solver perturbed as `_actions`' callers do); `exact`: what the generator said of
+    its log-probs (`samples_exactly`)."""
     cfg = Config()
     cfg = cfg.model_copy(
         update={
@@ -86,7 +89,9 @@ def _first_step(actions: list[Action], temperature: float, recompute: bool, poli
         perturb(policy, "solver", scale=0.3, seed=3)  # the agent is not the reference: the KL term is live
     opt = torch.optim.SGD(policy.trainable_parameters("solver"), lr=0.0)
     steps: list[dict[str, float]] = []
-    update_group(policy, opt, actions, [10.0, 0.0, 5.0, 3.0, 8.0, 1.0], update_settings(cfg), on_step=steps.append)
+    update_group(
+        policy, opt, actions, [10.0, 0.0, 5.0, 3.0, 8.0, 1.0], update_settings(cfg, exact), on_step=steps.append
+    )
     return steps[0]
 
 
@@ -145,7 +150,7 @@ def test_the_reward_scale_reaches_the_update() -> None:
         p = make_policy()
         perturb(p, "solver", scale=0.3, seed=3)
         opt = torch.optim.SGD(p.trainable_parameters("solver"), lr=0.0)
-        return update_group(p, opt, actions, [10.0, 0.0, 5.0, 3.0, 8.0, 1.0], update_settings(cfg))["grad_norm"]
+        return update_group(p, opt, actions, [10.0, 0.0, 5.0, 3.0, 8.0, 1.0], update_settings(cfg, True)).grad_norm
 
     assert grad_norm(0.1, 0.0) == pytest.approx(grad_norm(1.0, 0.0), rel=1e-4)
     assert grad_norm(0.1, 0.5) != pytest.approx(grad_norm(1.0, 0.5), rel=1e-2)

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ CFG = train_cfg(mini_batch_size=3, micro_batch_size=1, grad_clip=0.5, lr=0.05)
 
 def update(policy: Policy, actions: list[Action], cfg: Config) -> tuple[dict[str, float], torch.optim.Optimizer]:
     optimizer = build_optimizer(policy, "solver", "solver", cfg.train)
-    return update_group(policy, optimizer, actions, SCORES, update_settings(cfg), seed=3), optimizer
+    return asdict(update_group(policy, optimizer, actions, SCORES, update_settings(cfg, True), seed=3)), optimizer
 
 
 def _rank(rank: int, port: int, mode: str, actions: list[Action], out: Path) -> None:

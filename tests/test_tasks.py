@@ -307,6 +307,23 @@ def test_seeded_draw_of_512_aime_problems() -> None:
 
 
 @needs_data
+def test_the_paper_draw_is_the_published_codes_512() -> None:
+    """tasks.train_draw: paper draws as the published code: numpy's RandomState(42).choice(933, 512, replace=False)
+    over the file's rows, sorted (its first and last picks below); mappa's draw is another 512."""
+    cfg = TasksConfig(data_dir=str(SHARED), train_size=512, eval=["aime2025", "amc_eval32"], train_draw="paper")
+    paper = load_tasks(["aime"], cfg, "train", seed=42)
+    assert len(paper) == 512
+    assert [t.id for t in paper[:5]] == ["aime-1983-1", "aime-1983-3", "aime-1983-4", "aime-1983-6", "aime-1983-7"]
+    assert [t.id for t in paper[-3:]] == ["aime-2024-II-11", "aime-2024-II-13", "aime-2024-II-14"]
+    ours = load_tasks(["aime"], cfg.model_copy(update={"train_draw": "mappa"}), "train", seed=42)
+    assert {t.id for t in ours} != {t.id for t in paper}
+    # The published draw holds 10 of aime_eval32's problems (the paper evaluated on AIME 2025 and AMC instead):
+    # evaluating on them with this draw is refused, never silently trained on or silently shrunk.
+    with pytest.raises(MappaError, match=r"tasks.train_draw: paper.*10 .*aime_eval32"):
+        load_tasks(["aime"], cfg.model_copy(update={"eval": ["aime_eval32"]}), "train", seed=42)
+
+
+@needs_data
 def test_training_only_on_eval_sets_is_refused() -> None:
     with pytest.raises(MappaError, match="no problems left"):
         load_tasks(["aime2025"], TasksConfig(data_dir=str(SHARED)), "train", seed=0)

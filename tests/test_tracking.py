@@ -1,7 +1,7 @@
 """Experiment tracking and the per-agent metrics it carries: metrics.jsonl always, the trackers of
 `logging.report_to` (real TensorBoard event files, W&B offline, MLflow on a local store, trackio on a local
-database) continuing the same tracked run across a resume, and the update's `entropy` and the trainer's
-`reward_std` checked against a direct computation."""
+database) continuing the same tracked run across a resume, a step's typed results under the names metrics.jsonl
+has always used, and the update's `entropy` and the trainer's `reward_std` checked against a direct computation."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -213,10 +214,10 @@ def test_update_entropy_is_the_sampled_distributions_entropy_over_the_trained_to
             entropies += torch.distributions.Categorical(logits=logits).entropy().tolist()
     assert len(entropies) == sum(len(a.response_ids) for a in actions)
     opt = torch.optim.SGD(policy.trainable_parameters("solver"), lr=0.1)
-    stats = update_group(policy, opt, actions, [9.0, 1.0, 6.0, 3.0, 10.0], update_settings(cfg))
-    assert stats["optimizer_steps"] == 1
-    assert stats["entropy"] == pytest.approx(sum(entropies) / len(entropies), rel=1e-4)
-    assert 0 < stats["entropy"] < math.log(policy.tokenizer.vocab_size)
+    stats = update_group(policy, opt, actions, [9.0, 1.0, 6.0, 3.0, 10.0], update_settings(cfg, True))
+    assert stats.optimizer_steps == 1
+    assert stats.entropy == pytest.approx(sum(entropies) / len(entropies), rel=1e-4)
+    assert 0 < stats.entropy < math.log(policy.tokenizer.vocab_size)
 
 
 def test_a_training_step_logs_reward_std_and_entropy_per_agent(tmp_path: Path) -> None:
@@ -228,7 +229,7 @@ def test_a_training_step_logs_reward_std_and_entropy_per_agent(tmp_path: Path) -
     run_dir = tmp_path / "run"
     run = setup(cfg, run_dir)
     try:
-        metrics = train_step(run)
+        result = train_step(run)
     finally:
         run.close()
     episodes = [Episode.model_validate_json(x) for x in (run_dir / "episodes.jsonl").read_text().splitlines()]
@@ -240,12 +241,84 @@ def test_a_training_step_logs_reward_std_and_entropy_per_agent(tmp_path: Path) -
         assert kept, group
         mean = sum(kept) / len(kept)
         std = math.sqrt(sum((s - mean) ** 2 for s in kept) / len(kept))
-        assert metrics[f"agent/{group}/reward_std"] == pytest.approx(std)
+        assert result.groups[group].reward_std == pytest.approx(std)
         assert logged[f"agent/{group}/reward_std"] == pytest.approx(std)
         assert logged[f"agent/{group}/reward_mean"] == pytest.approx(mean)
         assert logged[f"agent/{group}/entropy"] > 0
+        assert logged[f"agent/{group}/reward_zero_std"] == float(std == 0)
         spread.append(std)
     assert any(s > 0 for s in spread), "no group with different scores: the check would pass with a constant 0"
+
+
+# What metrics.jsonl names a step's results: these names are the file format (`mappa report`, resumes and the
+# tests read them), so they are written out here, not derived from the code that makes them.
+GROUP_NAMES = {
+    "dropped_empty", "dropped_infra_error", "dropped_truncated", "dropped_unscored", "actions_trained",
+    "optimizer_steps", "lr",
+}  # fmt: skip
+TRAINED_NAMES = GROUP_NAMES | {
+    "reward_mean", "reward_std", "reward_zero_std", "loss", "grad_norm", "clip_frac", "ratio_mean", "approx_kl",
+    "entropy", "kl", "advantage_abs", "tokens",
+}  # fmt: skip
+
+
+def _update(tokens: float, gap: float | None) -> Any:
+    from mappa.update import UpdateStats
+
+    return UpdateStats(
+        loss=0.1, grad_norm=2.0, clip_frac=0.0, ratio_mean=1.0, approx_kl=0.0, entropy=1.5, kl=0.01,
+        advantage_abs=0.8, tokens=tokens, optimizer_steps=2, logprob_gap=gap,
+    )  # fmt: skip
+
+
+def _step(gaps: tuple[float | None, float | None]) -> Any:
+    from mappa.tracking import StepResult
+    from mappa.update import GroupResult
+
+    dropped = {"empty": 0, "infra_error": 0, "truncated": 1, "unscored": 2}
+    groups = {
+        "solver": GroupResult(3, dropped, 5.0, 0.0, 1e-5, _update(30.0, gaps[0])),
+        "coder": GroupResult(2, dropped, 6.0, 1.5, 2e-5, _update(10.0, gaps[1])),
+        "verifier": GroupResult(0, dropped, None, None, 3e-5, None),
+    }
+    return StepResult(
+        step=4, agents=("solver", "coder", "verifier"), episodes={"train/accuracy": 0.5},
+        groups=groups, generation={"generation/decode_steps": 7.0}, coach={"judgments": 9.0, "unscored_rate": 0.0},
+        rollout_s=2.0, update_s=4.0, rollout_tokens=100,
+    )  # fmt: skip
+
+
+def test_a_steps_results_are_named_as_metrics_jsonl_has_always_named_them(tmp_path: Path) -> None:
+    from mappa.tracking import step_metrics
+
+    metrics = step_metrics(_step((None, None)))
+    agents = {k for k in metrics if k.startswith("agent/")}
+    assert agents == {f"agent/{g}/{k}" for g in ("solver", "coder") for k in TRAINED_NAMES} | {
+        f"agent/verifier/{k}" for k in GROUP_NAMES
+    }
+    assert set(metrics) - agents == {
+        "train/accuracy", "generation/decode_steps", "time/rollout_s", "time/update_s", "time/rollout_tokens_per_s",
+        "time/update_tokens_per_s", "coach/judgments", "coach/unscored_rate",
+    }  # fmt: skip
+    assert metrics["agent/solver/reward_zero_std"] == 1.0 and metrics["agent/coder/reward_zero_std"] == 0.0
+    assert metrics["agent/verifier/optimizer_steps"] == 0.0 and metrics["agent/verifier/lr"] == 3e-5
+    assert metrics["agent/solver/dropped_unscored"] == 2.0 and metrics["agent/coder/actions_trained"] == 2.0
+    assert metrics["time/update_tokens_per_s"] == 40.0 / 4.0 and metrics["time/rollout_tokens_per_s"] == 50.0
+    tracker = Tracker(tmp_path, report_to=())
+    tracker.log_step(_step((None, None)))
+    tracker.close()
+    (row,) = read_metrics(tmp_path)
+    assert row["step"] == 4 and set(row) == {"step", "time", *metrics}
+
+    # a generator that did not sample exactly: each group's gap, and their token-weighted mean
+    served = step_metrics(_step((0.2, 0.6)))
+    assert served["agent/solver/logprob_gap"] == 0.2 and served["agent/coder/logprob_gap"] == 0.6
+    assert served["generation/logprob_gap"] == pytest.approx((0.2 * 30 + 0.6 * 10) / 40)
+    assert set(served) - set(metrics) == {
+        "agent/solver/logprob_gap",
+        "agent/coder/logprob_gap",
+        "generation/logprob_gap",
+    }
 
 
 def test_mappa_train_resume_continues_the_tracked_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

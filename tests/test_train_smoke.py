@@ -55,9 +55,9 @@ def test_two_updates_touch_only_the_trained_agent(agent_weights: str) -> None:
     opt = torch.optim.AdamW(own, lr=1e-2, betas=(0.9, 0.95))
     for step in range(2):
         actions = sampled_actions(policy, "coder", 5, seed=step)
-        stats = update_group(policy, opt, actions, [0.0, 10.0, 3.0, 7.0, 5.0], update_settings(cfg))
-        assert math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"]) and stats["grad_norm"] > 0
-        assert stats["tokens"] == sum(len(a.response_ids) for a in actions)
+        stats = update_group(policy, opt, actions, [0.0, 10.0, 3.0, 7.0, 5.0], update_settings(cfg, True))
+        assert math.isfinite(stats.loss) and math.isfinite(stats.grad_norm) and stats.grad_norm > 0
+        assert stats.tokens == sum(len(a.response_ids) for a in actions)
     assert changed(own_before, own)
     for a in others:
         assert not changed(others_before[a], others[a]), a
@@ -83,7 +83,7 @@ def test_update_raises_the_probability_of_the_high_scored_action() -> None:
             a.model_copy(update={"logprobs": tuple(lp[i, : len(a.response_ids)].tolist())})
             for i, a in enumerate(actions)
         ]
-        update_group(policy, opt, fresh, [10.0, 0.0], update_settings(cfg))
+        update_group(policy, opt, fresh, [10.0, 0.0], update_settings(cfg, True))
     after = seq_logp()
     assert after[0] - before[0] > 0 and after[1] - before[1] < 0
 
@@ -105,8 +105,10 @@ def test_second_mini_batch_leaves_ratio_one_and_a_large_lr_engages_the_clip(reco
         opt = torch.optim.AdamW(policy.trainable_parameters("solver"), lr=lr)
         steps[lr] = []
         scores = [10.0, 0.0, 7.0, 2.0] * 2
-        stats = update_group(policy, opt, actions, scores, update_settings(cfg), seed=1, on_step=steps[lr].append)
-        assert stats["optimizer_steps"] == 2 and len(steps[lr]) == 2
+        stats = update_group(
+            policy, opt, actions, scores, update_settings(cfg, True), seed=1, on_step=steps[lr].append
+        )
+        assert stats.optimizer_steps == 2 and len(steps[lr]) == 2
     small, large = steps[1e-3], steps[0.3]
     for first in (small[0], large[0]):  # fp32: generation-time log-probs agree with the forward pass to ~1e-7
         assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and first["clip_frac"] == 0.0
@@ -119,14 +121,14 @@ def test_update_shuffles_into_mini_batches_and_sets_each_steps_lr() -> None:
     actions = sampled_actions(policy, "coder", 5, seed=2)
     opt = torch.optim.AdamW(policy.trainable_parameters("coder"), lr=1.0)
     steps: list[dict[str, float]] = []
-    settings = update_settings(train_cfg(mini_batch_size=2, epochs=2))
+    settings = update_settings(train_cfg(mini_batch_size=2, epochs=2), True)
     stats = update_group(
         policy, opt, actions, [1.0, 9.0, 5.0, 3.0, 8.0], settings, lr=lambda f: f * 1e-3, on_step=steps.append
     )
-    assert stats["optimizer_steps"] == 6  # ceil(5 / 2) per epoch, two epochs
+    assert stats.optimizer_steps == 6  # ceil(5 / 2) per epoch, two epochs
     assert [s["lr"] for s in steps] == pytest.approx([(j + 1) / 6 * 1e-3 for j in range(6)])
     per_epoch = sum(s["tokens"] for s in steps[:3])
-    assert per_epoch == sum(len(a.response_ids) for a in actions) == stats["tokens"]
+    assert per_epoch == sum(len(a.response_ids) for a in actions) == stats.tokens
 
 
 def test_update_groups() -> None:
@@ -188,6 +190,16 @@ def test_train_two_steps_end_to_end(tmp_path: Path) -> None:
     assert result.gain is not None and result.gain.paired and result.gain.n_after == 2
     assert rows[-1]["eval/gain"] == pytest.approx(result.gain.gain)
     assert [e.kind for e in events].count("step") == 2 and any("self-test ok" in e.text for e in events)
+    # a group whose trained actions all scored alike is named in a note after its step, and flagged in the metrics
+    flat = {(r["step"], k.split("/")[1]) for r in steps for k, v in r.items() if k.endswith("/reward_zero_std") and v}
+    notes, step = set(), 0
+    for e in events:
+        step = e.step if e.kind == "step" else step
+        if e.kind == "note" and "no spread" in e.text:
+            assert e.step == step and e.text.startswith(f"step {step}: "), e.text
+            notes.add((step, e.text.split()[2].removesuffix(":")))
+    assert flat and notes == flat
+    assert all(e.result is not None and e.result.step == e.step for e in events if e.kind == "step")
     episodes = (run_dir / "episodes.jsonl").read_text().splitlines()
     assert len(episodes) == 2 * 2 and all('"step":' in e for e in episodes)
     assert any((run_dir / "tensorboard").iterdir())

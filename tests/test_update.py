@@ -1,12 +1,15 @@
 """The update's arithmetic on a tiny random Llama: gradient accumulation is exact (micro-batch 1 and N give the
 gradient of the whole mini-batch's token-mean loss, which is `rl.clipped_pg_loss` on the whole batch), the
-decisions the trainer resolves from the config (`mappa.trainer.update_settings`) are the ones the update acts
-on, and the `shared` single-policy baseline goes through the real training loop."""
+settings the trainer resolves (`mappa.trainer.update_settings`) are the ones the update acts on, whether the old
+log-probs are recomputed is one rule fed by what the generator says of itself, each group's result is one typed
+record, and the `shared` single-policy baseline goes through the real training loop."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,9 +17,17 @@ from test_train_smoke import make_policy, sampled_actions, tiny_cfg, train_cfg
 
 from mappa import rl
 from mappa.config import Config
+from mappa.generation import LocalGenerator, ServerGenerator
 from mappa.trainer import update_settings
 from mappa.types import Action
-from mappa.update import UpdateSettings, update_group
+from mappa.update import (
+    GroupResult,
+    UpdateJob,
+    UpdateSettings,
+    apply_update,
+    recomputes_old_logprobs,
+    update_group,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -37,20 +48,27 @@ def ragged_actions() -> list[Action]:
     return out
 
 
-def one_step(actions: list[Action], micro: int) -> tuple[dict[str, float], list[torch.Tensor]]:
+def one_step(
+    actions: list[Action], micro: int, aggregation: str = "token"
+) -> tuple[dict[str, float], list[torch.Tensor]]:
     """One optimizer step over the whole batch; returns its stats and the gradient (SGD at lr 1: the step)."""
     policy = make_policy()
     params = policy.trainable_parameters("solver")
     before = [p.detach().clone() for p in params]
-    cfg = train_cfg(mini_batch_size=len(actions), micro_batch_size=micro, grad_clip=1e9, recompute_old_logprobs=False)
+    cfg = train_cfg(
+        mini_batch_size=len(actions), micro_batch_size=micro, grad_clip=1e9, recompute_old_logprobs=False,
+        loss_aggregation=aggregation,
+    )  # fmt: skip
     steps: list[dict[str, float]] = []
     optimizer = torch.optim.SGD(params, lr=1.0)
-    stats = update_group(policy, optimizer, actions, SCORES, update_settings(cfg), seed=0, on_step=steps.append)
-    assert stats["optimizer_steps"] == 1
+    stats = update_group(policy, optimizer, actions, SCORES, update_settings(cfg, True), seed=0, on_step=steps.append)
+    assert stats.optimizer_steps == 1
     return steps[0], [b - p.detach() for b, p in zip(before, params, strict=True)]
 
 
-def whole_batch(actions: list[Action]) -> tuple[torch.Tensor, dict[str, float], list[torch.Tensor]]:
+def whole_batch(
+    actions: list[Action], aggregation: str = "token"
+) -> tuple[torch.Tensor, dict[str, float], list[torch.Tensor]]:
     """The same update written out: advantages over the batch, one forward, `rl.clipped_pg_loss`, backward."""
     cfg = train_cfg().train
     policy = make_policy()
@@ -60,7 +78,7 @@ def whole_batch(actions: list[Action]) -> tuple[torch.Tensor, dict[str, float], 
     adv = rl.reinforce_pp_advantages(torch.tensor(SCORES) / 10, old, ref.float(), mask.float(), cfg.kl_coef)
     with torch.enable_grad():
         logp, m = policy.forward_logprobs("solver", prompts, responses)
-        loss, stats = rl.clipped_pg_loss(logp.float(), old, adv, m.float(), cfg.clip_eps)
+        loss, stats = rl.clipped_pg_loss(logp.float(), old, adv, m.float(), cfg.clip_eps, aggregation)
         loss.backward()
     return loss.detach(), stats, [p.grad for p in policy.trainable_parameters("solver")]
 
@@ -79,43 +97,115 @@ def test_micro_batches_accumulate_the_whole_batch_gradient() -> None:
             torch.testing.assert_close(s, g, rtol=1e-4, atol=1e-7)
 
 
+def test_the_action_mean_is_the_same_whatever_the_micro_batches_and_differs_from_the_token_mean() -> None:
+    """train.loss_aggregation: action (the published code's weighting): each action's token mean, then the mean over
+    the mini-batch's actions, whatever the micro-batches; on ragged actions not the token mean's gradient."""
+    actions = ragged_actions()
+    loss, _, grads = whole_batch(actions, "action")
+    token_loss, _, token_grads = whole_batch(actions)
+    assert abs(loss.item() - token_loss.item()) > 1e-4
+    assert any(not torch.allclose(g, t, rtol=1e-3, atol=1e-6) for g, t in zip(grads, token_grads, strict=True))
+    for micro in (1, 3, len(actions)):
+        step, step_grads = one_step(actions, micro, "action")
+        assert step["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7), micro
+        for g, s in zip(grads, step_grads, strict=True):
+            torch.testing.assert_close(s, g, rtol=1e-4, atol=1e-7)
+
+
 def test_the_trainer_resolves_what_the_update_reads_from_the_config() -> None:
-    """A generation server's log-probs are always recomputed and their gap reported; the local backend's are
-    used as they are when `train.recompute_old_logprobs` is off."""
+    """The run's config gives the update its settings; where the actions came from is the engine's answer
+    (`samples_exactly`), never the config's backend."""
     cfg = train_cfg(recompute_old_logprobs=False)
     cfg = cfg.model_copy(
         update={
-            "generation": cfg.generation.model_copy(update={"temperature": 0.7}),
+            "generation": cfg.generation.model_copy(update={"temperature": 0.7, "backend": "server"}),
             "workflow": cfg.workflow.model_copy(update={"reward_scale": 0.5}),
         }
     )
-    local = update_settings(cfg)
-    assert local == UpdateSettings(cfg.train, 0.7, 0.5, recompute_old_logprobs=False, report_logprob_gap=False)
-    served = update_settings(
-        cfg.model_copy(update={"generation": cfg.generation.model_copy(update={"backend": "server"})})
-    )
-    assert (served.recompute_old_logprobs, served.report_logprob_gap) == (True, True)
-    assert update_settings(train_cfg(recompute_old_logprobs=True)).recompute_old_logprobs
+    for exact in (True, False):
+        assert update_settings(cfg, exact) == UpdateSettings(cfg.train, 0.7, 0.5, samples_exactly=exact)
 
 
-@pytest.mark.parametrize("recompute", [True, False])
-def test_the_update_acts_on_the_resolved_decisions(recompute: bool) -> None:
-    """Generation-time log-probs off by noise: recomputed, the first step's ratio is 1 and nothing clips, and the
-    reported gap is the noise; taken as they are, the ratio leaves 1 and the clip acts."""
+def _bf16_copies() -> Any:
+    policy = make_policy()
+    policy.sample_from_copies(torch.bfloat16)
+    return policy
+
+
+@pytest.mark.parametrize(
+    ("generator", "asked", "recomputes"),
+    [
+        ("float32 local", False, False),  # the trainer's own forward pass: used as generated
+        ("float32 local", True, True),  # train.recompute_old_logprobs asks for it
+        ("bfloat16 copies", False, True),  # another dtype's kernels
+        ("server", False, True),  # another engine's kernels
+    ],
+)
+def test_one_rule_decides_whether_the_old_logprobs_are_recomputed(
+    generator: str, asked: bool, recomputes: bool
+) -> None:
+    """`mappa.update.recomputes_old_logprobs`, fed what the run's generator says of itself: a server always
+    recomputes, bfloat16 sampling copies recompute, float32 local generation does not unless asked; under the
+    update's own bfloat16 autocast every one recomputes."""
+    if generator == "server":
+        exact = ServerGenerator.samples_exactly
+    else:
+        policy = _bf16_copies() if generator == "bfloat16 copies" else make_policy()
+        engine = LocalGenerator(policy)
+        try:
+            exact = engine.samples_exactly
+        finally:
+            engine.close()
+    settings = update_settings(train_cfg(recompute_old_logprobs=asked), exact)
+    assert recomputes_old_logprobs(settings, None) is recomputes
+    assert recomputes_old_logprobs(settings, torch.bfloat16) is True
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_the_update_acts_on_the_resolved_decisions(exact: bool) -> None:
+    """Generation-time log-probs off by noise, `train.recompute_old_logprobs` off: from a generator that does not
+    sample exactly they are recomputed, the first step's ratio is 1 and nothing clips, and the reported gap is the
+    noise; from one that does they are taken as they are, the ratio leaves 1 and the clip acts."""
     actions, policy = ragged_actions(), make_policy()
-    exact, _ = policy.sequence_logprobs("solver", [a.prompt_ids for a in actions], [a.response_ids for a in actions])
-    noise = [abs(lp - float(exact[i, j])) for i, a in enumerate(actions) for j, lp in enumerate(a.logprobs)]
-    train = Config().train.model_copy(update={"mini_batch_size": len(actions)})
-    settings = UpdateSettings(train, 1.0, 0.1, recompute_old_logprobs=recompute, report_logprob_gap=recompute)
+    exact_lp, _ = policy.sequence_logprobs(
+        "solver", [a.prompt_ids for a in actions], [a.response_ids for a in actions]
+    )
+    noise = [abs(lp - float(exact_lp[i, j])) for i, a in enumerate(actions) for j, lp in enumerate(a.logprobs)]
+    train = Config().train.model_copy(update={"mini_batch_size": len(actions), "recompute_old_logprobs": False})
+    settings = UpdateSettings(train, 1.0, 0.1, samples_exactly=exact)
     steps: list[dict[str, float]] = []
     optimizer = torch.optim.SGD(policy.trainable_parameters("solver"), lr=0.1)
     stats = update_group(policy, optimizer, actions, SCORES, settings, on_step=steps.append)
-    if recompute:
+    if not exact:
         assert steps[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and steps[0]["clip_frac"] == 0.0
-        assert stats["logprob_gap"] == pytest.approx(sum(noise) / len(noise), rel=1e-4)
-        assert stats["logprob_gap"] > 0.1
+        assert stats.logprob_gap == pytest.approx(sum(noise) / len(noise), rel=1e-4)
+        assert stats.logprob_gap > 0.1
     else:
-        assert steps[0]["clip_frac"] > 0 and "logprob_gap" not in stats
+        assert steps[0]["clip_frac"] > 0 and stats.logprob_gap is None
+
+
+def test_a_groups_result_holds_its_selection_rewards_and_update() -> None:
+    """`apply_update` returns one typed record per group: what trained, what was left out and why, the rewards'
+    mean and spread, and the update's numbers; a group with nothing to train takes no optimizer step."""
+    actions, policy = ragged_actions()[:4], make_policy()
+    optimizer = torch.optim.AdamW(policy.trainable_parameters("solver"), lr=1e-3)
+    settings = update_settings(train_cfg(mini_batch_size=2), True)
+    dropped = {"empty": 0, "infra_error": 1, "truncated": 2, "unscored": 0}
+    job = UpdateJob(actions, [6.0, 6.0, 2.0, 2.0], seed=0, peak_lr=1e-3, step=0, settings=settings, dropped=dropped)
+    result = apply_update(policy, optimizer, job)
+    assert isinstance(result, GroupResult) and result.update is not None
+    assert (result.actions_trained, result.dropped) == (4, dropped)
+    assert (result.reward_mean, result.reward_std, result.reward_zero_std) == (4.0, 2.0, False)
+    assert result.update.optimizer_steps == result.optimizer_steps == 2
+    assert result.update.tokens == sum(len(a.response_ids) for a in actions) and result.lr > 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.actions_trained = 0  # type: ignore[misc]
+
+    same = apply_update(policy, optimizer, dataclasses.replace(job, scores=[7.0] * 4))
+    assert same.reward_std == 0.0 and same.reward_zero_std  # every action scored alike: nothing to learn from
+    idle = apply_update(policy, optimizer, dataclasses.replace(job, actions=[], scores=[]))
+    assert idle.update is None and idle.optimizer_steps == 0 and idle.actions_trained == 0
+    assert idle.reward_mean is None and idle.reward_zero_std is None and idle.lr == same.lr
 
 
 def test_logprob_gap_counts_only_the_tokens_given() -> None:

@@ -42,7 +42,7 @@ from mappa.rollout import train_tasks as config_train_tasks
 from mappa.sandbox import describe_confinement, guard_hidden_answers, guard_task_tables
 from mappa.sandbox.confine import Confinement, detect_confinement
 from mappa.tasks import answer_locations
-from mappa.tracking import require_run_dir, run_config, run_json, started_run_dir, update_run_json
+from mappa.tracking import StepResult, require_run_dir, run_config, run_json, started_run_dir, update_run_json
 from mappa.trainer import Event, Parts, TrainResult
 from mappa.trainer import train as train_run
 from mappa.types import Task
@@ -140,8 +140,8 @@ class ConsoleLines:
             self.write(f"run: {event.text}")
         elif event.kind == "eval":
             self.write(f"eval {event.text} (step {event.step}): {_accuracy(event.metrics, 'eval')}")
-        elif event.kind == "step":
-            self.write(_step_line(event.step, event.metrics))
+        elif event.kind == "step" and event.result is not None:
+            self.write(_step_line(event.result))
 
     def done(self, result: TrainResult) -> None:
         gain = result.gain
@@ -165,21 +165,22 @@ def _accuracy(m: dict[str, float], prefix: str) -> str:
     return f"accuracy {acc:.1%} [{lo:.1%}, {hi:.1%}] of {n} episodes"
 
 
-def _step_line(step: int, m: dict[str, float]) -> str:
-    """`step 3: train accuracy 50%; coach score coder 7.50, reviewer 5.00; loss +0.012, kl 0.003; 41 s`."""
-    scores = [
-        f"{k.split('/')[1]} {v:.2f}" for k, v in m.items() if k.startswith("train/") and k.endswith("/score_mean")
-    ]
-    means: dict[str, float] = {}
-    for name in ("loss", "kl"):  # over the update groups that trained
-        values = [v for k, v in m.items() if k.startswith("agent/") and k.endswith(f"/{name}") and math.isfinite(v)]
-        means[name] = sum(values) / len(values) if values else math.nan
-    seconds = m.get("time/rollout_s", 0.0) + m.get("time/update_s", 0.0)
-    accuracy = m.get("train/accuracy", math.nan)
+def _step_line(r: StepResult) -> str:
+    """`step 3: train accuracy 50%; coach score coder 7.50, reviewer 5.00; loss +0.012, kl 0.003; 41 s` (each
+    agent's mean coach score; loss and KL: means over the update groups that trained)."""
+    scores = [f"{a} {r.episodes[k]:.2f}" for a in r.agents if (k := f"train/{a}/score_mean") in r.episodes]
+    updates = [g.update for g in r.groups.values() if g.update is not None]
+    loss, kl = _finite_mean([u.loss for u in updates]), _finite_mean([u.kl for u in updates])
+    accuracy = r.episodes.get("train/accuracy", math.nan)
     return (
-        f"step {step}: train accuracy {accuracy:.0%}; coach score {', '.join(scores) or '-'}; "
-        f"loss {means['loss']:+.3f}, kl {means['kl']:.3f}; {seconds:.0f} s"
+        f"step {r.step}: train accuracy {accuracy:.0%}; coach score {', '.join(scores) or '-'}; "
+        f"loss {loss:+.3f}, kl {kl:.3f}; {r.rollout_s + r.update_s:.0f} s"
     )
+
+
+def _finite_mean(values: Sequence[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else math.nan
 
 
 def _check_resume(run_dir: Path, parts: Parts) -> None:

@@ -25,11 +25,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from mappa.decoder import Decoder, decoding
-from mappa.decoding import DecodeRow, Generation
+from mappa.decoding import DecodeRow, Generation, Sampling, seeded_generator
 from mappa.models import load_base_model
 from mappa.policy import Policy
 from mappa.prefix_cache import PrefixCache
+from mappa.sampling_copies import fingerprint
 from mappa.types import Message
 
 PLACEHOLDER_AGENT = "base"  # the policy needs one agent; a plain model is served with adapters disabled
@@ -87,6 +90,17 @@ class _Command:
 
 
 _STOP = object()
+MAX_IDLE = 32  # steps a decoder with rows may wait while fuller ones decode (`ChatEngine._interleave`)
+
+
+@dataclass
+class _Live:
+    """One setting's decoder while `ChatEngine._interleave` runs, the requests in it, and the steps it waited."""
+
+    agent: str | None
+    decoder: Decoder
+    running: dict[int, _Pending] = field(default_factory=dict)
+    idle: int = 0
 
 
 class ChatEngine:
@@ -100,13 +114,17 @@ class ChatEngine:
     """
 
     def __init__(
-        self, policy: Policy, max_batch: int = 16, prefix_cache_mib: float = 512, *, sampler: bool = False
-    ) -> None:
+        self, policy: Policy, max_batch: int = 16, prefix_cache_mib: float = 512, *, sampler: bool = False,
+        interleave: bool = False,
+    ) -> None:  # fmt: skip
         # `policy`: a Policy, or anything with its decoding interface (`mappa.serving.adapters.ServedPolicy`).
         # `sampler`: decode from the policy's sampling copies (`Policy.sampler`), as training episodes do.
+        # `interleave`: one decoder per setting alive at once (`_interleave`), for many agents' requests at once.
         self.policy = policy
         self.max_batch = max_batch
         self.sampler = sampler
+        self.interleave = interleave
+        self._params: dict[str | None, list[torch.nn.Parameter]] = {}  # each agent's trainable weights (`_owner`)
         # Served and coaching weights do not change, so prompt KV can be reused across requests.
         self.prefix_cache = PrefixCache(int(prefix_cache_mib * 2**20)) if prefix_cache_mib > 0 else None
         self.requests = 0
@@ -214,6 +232,8 @@ class ChatEngine:
                 break
             if isinstance(waiting[0], _Command):
                 self._command(waiting.popleft())
+            elif self.interleave:
+                self._interleave(waiting)
             else:
                 self._decode(waiting)
         for p in waiting:
@@ -286,6 +306,89 @@ class ChatEngine:
                 _settle(p, error=e)
         finally:
             self.active_rows = 0
+
+    def _owner(self, agent: str | None) -> Any:
+        """Whose prompt KV a decoder keeps in the prefix cache: the agent, and, for weights that train (`sampler`),
+        the state of its weights, so KV computed before an update is never reused after it."""
+        if not self.sampler or self.prefix_cache is None:
+            return agent
+        if agent not in self._params:
+            self._params[agent] = [] if agent is None else self.policy.trainable_parameters(agent)
+        return (agent, fingerprint(self._params[agent]))
+
+    def _module(self, agent: str | None) -> Any:
+        return self.policy.sampler(agent) if self.sampler else self.policy.active(agent)
+
+    def _interleave(self, waiting: deque[_Pending | _Command]) -> None:
+        """Decoders for every setting waiting, alive at once: a request joins its own setting's decoder at the next
+        step, whatever else runs, and each step goes to the decoder with the most rows (or to one that waited
+        MAX_IDLE steps), so a batch's tail of a few rows waits while a fuller one decodes instead of holding the
+        others up. Runs until every decoder is empty; a command waiting stops the admissions until then."""
+        live: dict[tuple, _Live] = {}
+        self.batches += 1
+        try:
+            while True:
+                self._collect(waiting)
+                self._admit_interleaved(waiting, live)
+                busy = [d for d in live.values() if len(d.decoder)]
+                self.active_rows = sum(len(d.decoder) for d in busy)
+                if not busy:
+                    break
+                d = max(busy, key=lambda d: (d.idle >= MAX_IDLE, len(d.decoder)))
+                for other in busy:
+                    other.idle += 1
+                d.idle = 0
+                self._step(d)
+        except Exception as e:  # noqa: BLE001 - delivered to each caller; the worker keeps serving
+            for d in live.values():
+                for p in d.running.values():
+                    _settle(p, error=e)
+        finally:
+            self.active_rows = 0
+
+    def _step(self, d: _Live) -> None:
+        self.steps += 1
+        self.row_steps += len(d.decoder)
+        self.largest_batch = max(self.largest_batch, len(d.decoder))
+        t0 = time.perf_counter()
+        with torch.no_grad(), self._module(d.agent) as module:
+            d.decoder.module = module
+            finished = d.decoder.step()
+        self.decode_s += time.perf_counter() - t0
+        for rid, gen in finished:
+            self.requests += 1
+            _settle(d.running.pop(rid), result=gen)
+        self._drop_abandoned(d.decoder, d.running)
+        _stream(d.decoder.running(), d.running)
+
+    def _admit_interleaved(self, waiting: deque[_Pending | _Command], live: dict[tuple, _Live]) -> None:
+        """Every request waiting ahead of the first command into its setting's decoder (made when it has none),
+        while that one has room; the command runs once the decoders are empty."""
+        cut = next((i for i, p in enumerate(waiting) if isinstance(p, _Command)), len(waiting))
+        ahead, behind = deque(list(waiting)[:cut]), list(waiting)[cut:]
+        self._admit_each(ahead, live)
+        waiting.clear()
+        waiting.extend([*ahead, *behind])
+
+    def _admit_each(self, waiting: deque[_Pending | _Command], live: dict[tuple, _Live]) -> None:
+        for key in dict.fromkeys(p.request.group_key() for p in waiting):
+            d = live.get(key)
+            if d is None:
+                first = next(p.request for p in waiting if p.ready(key))
+                sampling = Sampling(first.temperature, first.top_p, seeded_generator(None, self.policy.device))
+                owner = self._owner(first.agent)
+                decoder = Decoder(self.policy, None, sampling, prefix_cache=self.prefix_cache, owner=owner)
+                d = live[key] = _Live(first.agent, decoder)
+            if not d.decoder.can_add:
+                continue
+            try:
+                with torch.no_grad(), self._module(d.agent) as module:
+                    d.decoder.module = module
+                    self._admit(d.decoder, key, waiting, d.running)
+            except Exception as e:  # noqa: BLE001 - these settings cannot decode (e.g. an unknown agent)
+                for p in [p for p in waiting if p.ready(key)]:
+                    waiting.remove(p)
+                    _settle(p, error=e)
 
     def _drop_abandoned(self, decoder: Decoder, running: dict[int, _Pending]) -> None:
         """Take out the rows whose caller stopped waiting: a running row's future is only ever done early

@@ -31,6 +31,12 @@ class TrainConfig(Section):
         16, ge=1, description="Actions per optimizer step, per agent (the paper's train_batch_size 16)."
     )
     epochs: int = Field(1, ge=1, description="Passes over each rollout batch (reshuffled into mini-batches).")
+    loss_aggregation: Literal["token", "action"] = Field(
+        "token",
+        description="How a mini-batch's clipped surrogate is averaged. token: one mean over all its tokens (a long "
+        "action weighs in proportion to its length); action: each action's token mean, then the mean over its "
+        "actions (every action weighs the same: the published code, docs/method.md section 2).",
+    )
     stratify_by: str = Field(
         "", description="Task.meta key (e.g. data_type) whose values every step's tasks hold in proportion; "
         "empty: a plain shuffle.",

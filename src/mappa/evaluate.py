@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mappa.config import Config
 from mappa.errors import MappaError
-from mappa.metrics import Gain, accuracy_gain, correct, episode_metrics
+from mappa.metrics import Gain, accuracy_gain, clustered_accuracy, correct, episode_metrics
 from mappa.paths import atomic_write
 from mappa.protocols import Generator, ProgressFn, Runtime, SandboxLike, Workflow
 from mappa.types import Episode, Task, read_jsonl
@@ -62,9 +62,25 @@ def evaluate(
         keep_workspaces=cfg.sandbox.keep_workspaces,
     )  # fmt: skip
     metrics = episode_metrics(episodes, workflow.agents, "eval")
+    metrics.update(accuracy_intervals(episodes))
     metrics["eval/tasks"] = float(len(tasks))
     metrics["eval/seconds"] = time.perf_counter() - start
     return metrics, episodes
+
+
+def accuracy_intervals(episodes: Sequence[Episode]) -> dict[str, float]:
+    """The accuracy's 95% interval pooled and per task source, counting tasks, not episodes (several samples of one
+    task are not independent: `mappa.metrics.clustered_accuracy`): `eval/accuracy_ci_low|high`, and the same under
+    `eval/<source>/`."""
+    out: dict[str, float] = {}
+    by_source: dict[str, list[Episode]] = {}
+    for e in episodes:
+        by_source.setdefault(e.task.source, []).append(e)
+    for key, group in [("eval", list(episodes)), *((f"eval/{s}", g) for s, g in sorted(by_source.items()))]:
+        if group:
+            _, (lo, hi), _ = clustered_accuracy(group)
+            out[f"{key}/accuracy_ci_low"], out[f"{key}/accuracy_ci_high"] = lo, hi
+    return out
 
 
 def write_eval(out_dir: str | Path, tag: str, metrics: dict[str, float], episodes: Sequence[Episode]) -> None:

@@ -97,7 +97,7 @@ class Generator(Protocol):
 
     samples_exactly: bool  # its log-probs are the training forward pass's (else the update recomputes them)
 
-    def chat_ids(self, messages: Sequence[Message]) -> list[int]: ...
+    def chat_ids(self, agent: str, messages: Sequence[Message]) -> list[int]: ...  # `agent`'s prompt tokens
 
     async def generate(
         self, agent: str, messages: Sequence[Message], prompt_ids: Sequence[int], sampling: SamplingSettings,
@@ -179,15 +179,20 @@ class Engine(Protocol):
     `mappa.distributed.Cluster` (Ray actors). `mappa.trainer` drives one through these calls only, so the loop
     reads the same either way; both keep a checkpoint's files identical, so a run resumes under either."""
 
+    # its episodes' log-probs are a training forward pass's (every generator's `samples_exactly`): else the update
+    # recomputes them (`mappa.update.recomputes_old_logprobs`)
+    samples_exactly: bool
+
     def play(self, tasks: Sequence[Task], seed: int, progress: ProgressFn | None = None) -> list[Episode]:
         """One episode per task, scored by the coach as it plays, in task order; sampling seeded by `seed`."""
         ...
 
-    def update(self, jobs: dict[str, Any], status: StatusFn | None = None) -> dict[str, dict[str, float]]:
-        """Each update group's job (`mappa.update.UpdateJob`) applied to its weights; metrics per group."""
+    def update(self, jobs: dict[str, Any], status: StatusFn | None = None) -> dict[str, Any]:
+        """Each update group's job (`mappa.update.UpdateJob`) applied to its weights; a `mappa.update.GroupResult`
+        per group."""
         ...
 
-    def step_sync(self, version: int, metrics: dict[str, float] | None = None) -> dict[str, float]:
+    def step_sync(self, version: int) -> dict[str, float]:
         """After the updates (and once at start): the weights as of step `version` to whatever samples episodes;
         returns the `generation/...` counters of the last rollout (none for the local backend)."""
         ...

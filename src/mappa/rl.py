@@ -5,7 +5,8 @@ REINFORCE++ as in OpenRLHF, applied per agent:
             + score                                                 on the last valid token of the action
   return_t  = sum_{k >= t} gamma^(k-t) reward_k                     within one action (no cross-action credit)
   advantage = whiten(return) over every valid token of one agent's batch
-  loss      = PPO clipped surrogate against the rollout-time logprobs, token-level mean per mini-batch
+  loss      = PPO clipped surrogate against the rollout-time logprobs, averaged over a mini-batch's tokens
+              (`token`) or over each action's tokens, then over its actions (`action`, as published)
 
 The update schedule around it: advantages are whitened once over the agent's whole rollout batch, which
 `minibatches` then splits (shuffled, seeded) into optimizer steps; `lr_factor` gives the learning rate of
@@ -98,18 +99,31 @@ def reinforce_pp_advantages(
     return masked_whiten(returns_to_go(rewards, mask, gamma), mask)
 
 
+# How the clipped surrogate is averaged over a batch: `token`, one mean over all its valid tokens (a long action
+# weighs in proportion to its length); `action`, each row's token mean, then the mean over the rows (every action
+# weighs the same). The published code's effect is `action`: micro-batches of one action, averaged by gradient
+# accumulation (docs/method.md section 2).
+LOSS_AGGREGATIONS = ("token", "action")
+
+
 def clipped_pg_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_eps: float = 0.2,
+    aggregation: str = "token",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate, averaged over valid tokens (token-level mean).
+    """PPO clipped surrogate, averaged as `aggregation` says (`LOSS_AGGREGATIONS`): over the valid tokens of the
+    batch (`token`), or over each row's valid tokens and then over the rows (`action`; a row without any counts
+    as 0).
 
     logp: (B, T) log pi_theta, differentiable; old_logp: (B, T) rollout-time log-probs; advantages: (B, T).
-    Returns the scalar loss and detached stats: clip_frac, ratio_mean, approx_kl (k3, old -> new), tokens.
+    Returns the scalar loss and detached stats: clip_frac, ratio_mean, approx_kl (k3, old -> new), tokens; the
+    stats are token means whatever the aggregation.
     """
+    if aggregation not in LOSS_AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {LOSS_AGGREGATIONS}, got {aggregation!r}")
     valid = _valid(mask)
     zeros = torch.zeros_like(logp)
     log_ratio = torch.where(valid, logp - old_logp, zeros).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
@@ -119,7 +133,11 @@ def clipped_pg_loss(
     surr_clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv
     per_token = -torch.minimum(surr, surr_clipped)
     count = valid.sum().clamp(min=1)
-    loss = torch.where(valid, per_token, zeros).sum() / count
+    summed = torch.where(valid, per_token, zeros)
+    if aggregation == "token":
+        loss = summed.sum() / count
+    else:
+        loss = (summed.sum(dim=1) / valid.sum(dim=1).clamp(min=1)).sum() / max(logp.shape[0], 1)
     with torch.no_grad():
         clipped = (surr_clipped < surr) & valid
         k3 = torch.exp(-log_ratio) - 1 + log_ratio  # KL(old || new) estimate, >= 0

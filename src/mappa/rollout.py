@@ -2,9 +2,9 @@
 behind `mappa rollout` (`rollout`), which plays them with the configured coach and writes episodes to JSONL as
 each batch finishes.
 
-`build_kit(cfg, agents, ...)` is the one constructor of the parts that play and score episodes: the policy (from
-the config or a checkpoint), what episodes sample from (the policy, or a generation server), the coach and the
-sandbox. The training run in this process (`mappa.engine.LocalEngine`), the Ray actors
+`build_kit(cfg, agents, ...)` is the one constructor of the parts that play and score episodes: the policies (one
+per base model, `mappa.policies`; from the config or a checkpoint), what episodes sample from (the policies, or a
+generation server), the coach and the sandbox. The training run in this process (`mappa.engine.LocalEngine`), the Ray actors
 (`mappa.distributed.actors`), `mappa rollout` and `mappa eval` all build them here, so they load, seed and
 template the same way.
 
@@ -30,6 +30,7 @@ from mappa.types import Episode, Task, write_jsonl
 
 if TYPE_CHECKING:
     from mappa.coach import CoachRunner
+    from mappa.policies import Policies
     from mappa.policy import Policy
     from mappa.sandbox import Sandbox
 
@@ -91,11 +92,16 @@ class Kit:
     """A run's parts: the weights, what episodes sample from, the coach and the code tool (None: not built)."""
 
     cfg: Config
-    policy: Policy
-    generator: Generator  # the policy, continuously batched, or a generation server's client (`mappa.generation`)
+    policies: Policies  # one Policy per base model, every agent on its own base's (`mappa.policies`)
+    generator: Generator  # the policies, continuously batched, or a generation server's client (`mappa.generation`)
     coach: CoachRunner | None = None
     sandbox: Sandbox | None = None
     plugin_coach: bool = False  # the coach is a plug-in (import path or object): its self-test only asks it once
+
+    @property
+    def policy(self) -> Policy:
+        """The policy of a team on one base model; MappaError for a team on several (`policies[agent]`)."""
+        return self.policies.single
 
     def runtime(self) -> Runtime:
         """What training episodes are played with: their actions scored by the coach as they land."""
@@ -118,7 +124,7 @@ class Kit:
 
         temperature, plugin = self.cfg.generation.temperature, self.plugin_coach
         score = self.coach.score_many
-        return run_self_test(self.policy, agents, self.sandbox, score, workflow, temperature, plugin_coach=plugin)
+        return run_self_test(self.policies, agents, self.sandbox, score, workflow, temperature, plugin_coach=plugin)
 
     def close(self) -> None:
         self.generator.close()
@@ -133,31 +139,29 @@ class Kit:
         self.close()
 
 
-def _load_policy(cfg: Config, agents: Sequence[str], device: str | None, weights: Path | None) -> Policy:
-    """The configured model with one set of weights per agent (seeded), or a checkpoint's `weights` directory,
-    which must hold every agent of `agents`."""
-    from mappa.policy import Policy
+def _load_policies(cfg: Config, agents: Sequence[str], device: str | None, weights: Path | None) -> Policies:
+    """The configured base models with one set of weights per agent (seeded), or a checkpoint's `weights`
+    directory (which names its own bases), which must hold every agent of `agents`."""
+    from mappa.policies import Policies
     from mappa.policy_files import MANIFEST
 
     template = cfg.generation.chat_template_kwargs  # prompts templated as generation templates them
     if weights is not None:
-        policy = Policy.from_checkpoint(weights, device=device or cfg.model.device, chat_template_kwargs=template)
-        if missing := [a for a in agents if a not in policy.agents]:
+        policies = Policies.from_checkpoint(weights, device=device or cfg.model.device, chat_template_kwargs=template)
+        if missing := [a for a in agents if a not in policies.agents]:
             raise MappaError(
-                f"{weights / MANIFEST}: the checkpoint has agents {list(policy.agents)}, workflow "
+                f"{weights / MANIFEST}: the checkpoint has agents {list(policies.agents)}, workflow "
                 f"{cfg.workflow.name!r} needs {missing} too"
             )
     else:
         model = cfg.model if device is None else cfg.model.model_copy(update={"device": device})
-        policy = Policy.from_config(
-            model,
-            agents,
-            seed=cfg.seed,
-            generation_batch_size=cfg.generation.batch_size,
+        policies = Policies.from_config(
+            model, agents, seed=cfg.seed, generation_batch_size=cfg.generation.batch_size,
             chat_template_kwargs=template,
-        )
-    sample_as_configured(policy, cfg)
-    return policy
+        )  # fmt: skip
+    for policy in policies:
+        sample_as_configured(policy, cfg)
+    return policies
 
 
 def sample_as_configured(policy: Policy, cfg: Config) -> None:
@@ -173,22 +177,29 @@ def build_kit(
     sandbox: bool = True, generator: bool = False, run_dir: Path | None = None, device: str | None = None,
     weights: Path | None = None,
 ) -> Kit:  # fmt: skip
-    """The parts of a run over `agents`: the policy (`weights`: a checkpoint's instead of the configured model;
+    """The parts of a run over `agents`: the policies (`weights`: a checkpoint's instead of the configured models;
     `device`: instead of `model.device`), then the generation backend when `generator` (else episodes sample from
-    the policy), the coach for `workflow` (default `workflow.name`; `coach_plugin`: an object from Python used
-    instead of `coach.backend`) and the sandbox. A part that fails to start closes those built before it."""
+    the policies, locally), the coach for `workflow` (default `workflow.name`; `coach_plugin`: an object from Python
+    used instead of `coach.backend`; a `local` coach without a model of its own judges with base 0) and the sandbox.
+    A part that fails to start closes those built before it."""
     from mappa.coach import build_coach
-    from mappa.generation import LocalGenerator, build_generator
+    from mappa.generation import build_generator, local_generator
+    from mappa.policies import team_bases
     from mappa.sandbox import Sandbox
 
-    policy = _load_policy(cfg, agents, device, weights)
-    local = LocalGenerator(policy, max_batch=cfg.generation.batch_size)
-    kit = Kit(cfg, policy, local, plugin_coach=cfg.coach.is_plugin or coach_plugin is not None)
+    server = generator and cfg.generation.backend == "server"
+    if server:  # a team a server cannot serve fails before any model loads
+        team_bases(cfg.model, agents, server=True)
+    policies = _load_policies(cfg, agents, device, weights)
+    local = local_generator(policies, max_batch=cfg.generation.batch_size)
+    kit = Kit(cfg, policies, local, plugin_coach=cfg.coach.is_plugin or coach_plugin is not None)
     try:
-        if generator:  # a server starts with no adapters: `step_sync` publishes the run's first ones
-            kit.generator = build_generator(cfg, policy, run_dir)
+        if server:  # it starts with no adapters: `step_sync` publishes the run's first ones
+            kit.generator = build_generator(cfg, policies.single, run_dir)
         if coach:
-            kit.coach = build_coach(cfg.coach, workflow or cfg.workflow.name, policy=policy, plugin=coach_plugin)
+            kit.coach = build_coach(
+                cfg.coach, workflow or cfg.workflow.name, policy=policies.primary, plugin=coach_plugin
+            )
         if sandbox:
             kit.sandbox = Sandbox(cfg.sandbox)
     except BaseException:

@@ -1,11 +1,13 @@
 """The run directory and its files: one `log(metrics, step)` to metrics.jsonl, and to the experiment trackers.
 
 Metric names are namespaced (`agent/code_executor/clip_frac`, `train/accuracy`, `eval/aime2025/accuracy`,
-`coach/unscored_rate`). The JSONL files are the source of truth: reports are rebuilt from them without
-rerunning anything. The trackers of `logging.report_to` (TensorBoard, W&B, MLflow, trackio) get the same rows
-through accelerate's tracker classes, used without an Accelerator; run.json keeps each tracker's run id, so a
-resumed run logs on to the same tracked run. `new_run_dir` records what is needed to reproduce a run (resolved
-config, git commit, package versions, command line).
+`coach/unscored_rate`). A training step's results come here typed (`StepResult`, with a `GroupResult` per update
+group) and get their names in one place, `step_metrics`: inside the run nothing reads a name back, and the names
+are the file format that `mappa report` and a resume read. The JSONL files are the source of truth: reports are
+rebuilt from them without rerunning anything. The trackers of `logging.report_to` (TensorBoard, W&B, MLflow,
+trackio) get the same rows through accelerate's tracker classes, used without an Accelerator; run.json keeps each
+tracker's run id, so a resumed run logs on to the same tracked run. `new_run_dir` records what is needed to
+reproduce a run (resolved config, git commit, package versions, command line).
 
 What a run directory is, is decided here alone: one whose run.json holds `"mappa_run": RUN_FORMAT`, written when
 `new_run_dir` makes it. Every command that takes a RUN_DIR asks `require_run_dir` first, so a user's folder that
@@ -25,8 +27,9 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from importlib import metadata
 from pathlib import Path
@@ -36,6 +39,7 @@ from mappa.config import Config, dump_config, load_config
 from mappa.errors import MappaError
 from mappa.paths import atomic_write
 from mappa.types import Episode
+from mappa.update import GroupResult, mean_logprob_gap
 
 VERSIONED = ("mappa-rl", "torch", "transformers", "peft", "pydantic", "openai", "math-verify", "numpy")
 RUN_LOGS = ("episodes.jsonl", "metrics.jsonl", "eval/summary.jsonl")  # logs with one row per step (or eval)
@@ -45,6 +49,58 @@ RUN_FORMAT = 1  # the layout of a run directory this version reads and writes
 MAX_RUN_JSON = 1 << 20  # bytes: run.json holds a few ids and names; anything larger is not mappa's
 # What a run holds before its first evaluation: a start that fails with no more than these is undone
 START_FILES = frozenset({"config.yaml", "run.json", "adapters", "wandb"})
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one training step did (`mappa.trainer.train_step`); `step_metrics` names it for metrics.jsonl."""
+
+    step: int  # the step just done (1 for the first)
+    agents: tuple[str, ...]  # the workflow's agents, in order of play
+    episodes: dict[str, float]  # `train/...`: `mappa.metrics.episode_metrics` of the step's episodes
+    groups: dict[str, GroupResult]  # per update group: what it trained on and what its update did
+    generation: dict[str, float]  # `generation/...` counters of the rollout and of the weights' sync
+    coach: dict[str, float]  # the coach's accounting over the step (`CoachRunner.stats`)
+    rollout_s: float  # playing and scoring the episodes
+    update_s: float  # rewards, the groups' updates and the sync
+    rollout_tokens: int  # response tokens generated
+
+    @property
+    def update_tokens(self) -> float:
+        return sum(g.update.tokens for g in self.groups.values() if g.update is not None)
+
+
+def group_metrics(group: str, result: GroupResult) -> dict[str, float]:
+    """One update group's result as `agent/<group>/<name>`: what it trained on and left out, its rewards (when it
+    trained on any action), the update's numbers (when it ran) and the learning rate."""
+    out: dict[str, float] = {f"dropped_{why}": float(n) for why, n in result.dropped.items()}
+    out.update(actions_trained=float(result.actions_trained), optimizer_steps=float(result.optimizer_steps))
+    if result.reward_mean is not None and result.reward_std is not None:
+        out.update(reward_mean=result.reward_mean, reward_std=result.reward_std)
+        out["reward_zero_std"] = float(bool(result.reward_zero_std))
+    if result.update is not None:
+        out.update({k: float(v) for k, v in asdict(result.update).items() if v is not None})
+    out["lr"] = result.lr
+    return {f"agent/{group}/{k}": v for k, v in out.items()}
+
+
+def step_metrics(result: StepResult) -> dict[str, float]:
+    """A step's results under their metrics.jsonl names: `train/...`, `agent/<group>/...`, `generation/...`
+    (with `generation/logprob_gap`, the groups' token-weighted mean, when they report one), `time/...`,
+    `coach/...`."""
+    out = dict(result.episodes)
+    for group, r in result.groups.items():
+        out.update(group_metrics(group, r))
+    out.update(result.generation)
+    if (gap := mean_logprob_gap(result.groups)) is not None:
+        out["generation/logprob_gap"] = gap
+    out.update(
+        {"time/rollout_s": result.rollout_s, "time/update_s": result.update_s,
+         "time/rollout_tokens_per_s": result.rollout_tokens / max(result.rollout_s, 1e-9),
+         "time/update_tokens_per_s": result.update_tokens / max(result.update_s, 1e-9)}
+    )  # fmt: skip
+    out.update({f"coach/{k}": float(v) for k, v in result.coach.items()})
+    return out
 
 
 class Tracker:
@@ -110,7 +166,11 @@ class Tracker:
             sink.store_init_configuration(_flat(config))
         return sink
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    def log_step(self, result: StepResult) -> None:
+        """A training step's results, named by `step_metrics`."""
+        self.log(step_metrics(result), result.step)
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
         purge_step = 0
         if self._tensorboard:  # the step after the last one metrics.jsonl holds, read before this row lands

@@ -12,8 +12,9 @@ either way. One step:
      10/0 for every action; per update group (one per agent, or one for all with `model.agent_weights:
      shared`) keep the actions that are scored, not truncated and whose tool call did not hit an infra_error;
   3. per group (`mappa.update.update_group`): reference log-probs from the base model (adapters off) and old log-probs
-     from the policy as it was at rollout time (recomputed, always with a server), both before the first
-     optimizer step; token rewards
+     from the policy as it was at rollout time (recomputed unless generation's are the training forward's own:
+     always with a server or bfloat16 sampling copies, `mappa.update.recomputes_old_logprobs`), both before the
+     first optimizer step; token rewards
      -kl_coef * (logp_old - logp_ref) + score/10 on the last token, returns, advantages whitened once over
      the group's whole batch (`mappa.rl`);
   4. the batch shuffled (seeded) into mini-batches of `train.mini_batch_size` actions, `train.epochs` passes:
@@ -23,9 +24,10 @@ either way. One step:
      follows warm-up then cosine to a floor over the run's progress (`rl.lr_factor`); each group has its
      own optimizer and learning rate (`train.agent_lr`);
   5. the new weights to whatever samples the next episodes (`Engine.step_sync`: a server gets the adapters, Ray's
-     rollout workers a copy); log metrics, write every episode to episodes.jsonl, checkpoint atomically, evaluate every
-     `eval_every` steps (always at start and end) with the rule-based answer check; at the end the gain
-     over the start with its 95% interval.
+     rollout workers a copy); log the step's typed results (`StepResult`, named only by the tracker), write every
+     episode to episodes.jsonl, checkpoint atomically, note each group whose rewards had no spread (nothing to learn
+     from), evaluate every `eval_every` steps (always at start and end) with the rule-based answer check; at the end
+     the gain over the start with its 95% interval.
 
 Where this departs from the paper / published code:
   - the coach's score is by default its expected score (probability-weighted over the score tokens, when
@@ -62,9 +64,9 @@ from mappa.plugins import check_instance, qualified_name
 from mappa.protocols import Engine, ProgressFn, Workflow
 from mappa.rewards import RewardMode, per_action_scores, reward_mode, select_actions
 from mappa.rollout import pick_tasks, train_tasks
-from mappa.tracking import Tracker, append_episodes, read_metrics
+from mappa.tracking import StepResult, Tracker, append_episodes, read_metrics
 from mappa.types import Episode, Task
-from mappa.update import UpdateJob, UpdateSettings, config_groups
+from mappa.update import GroupResult, UpdateJob, UpdateSettings, config_groups
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,8 @@ class Event:
     kind: Literal["status", "note", "run", "eval", "step"]
     step: int
     text: str = ""
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)  # eval: the evaluation's metrics
+    result: StepResult | None = None  # step: what the step did
 
 
 # ---------------------------------------------------------------------------------------------------- the run
@@ -161,6 +164,8 @@ def setup(
     held_out = _held_out(cfg, parts.eval_tasks)
     if not train_set:
         raise MappaError("train_tasks: no training tasks given")
+    for task in [*train_set, *held_out]:  # a task the team cannot play fails now, not after minutes of evaluation
+        workflow.check_task(task)
     emit(Event("status", 0, f"loading {cfg.model.name} ({len(workflow.agents)} agents, {cfg.model.agent_weights})"))
     engine = open_engine(cfg, run_dir, workflow, groups, place=place, coach=parts.coach)
     try:
@@ -190,37 +195,29 @@ def setup(
     return run
 
 
-def update_settings(cfg: Config) -> UpdateSettings:
-    """What the update reads of the run's config. A generation server samples with other kernels (maybe in
-    another dtype), so its log-probs are never the ratio's reference: they are recomputed, and their gap to the
-    trainer's is reported. Nor are a bfloat16 sampling copy's (`mappa.sampling_copies`) under a float32 update:
-    the update asks its own policy (`Policy.samples_exactly`), and a Ray cluster its rollout workers'."""
-    served = cfg.generation.backend == "server"
-    recompute = cfg.train.recompute_old_logprobs or served
-    return UpdateSettings(cfg.train, cfg.generation.temperature, cfg.workflow.score_scale, recompute, served)
+def update_settings(cfg: Config, samples_exactly: bool) -> UpdateSettings:
+    """What the update reads: the run's config, and what the engine says of its generation (`samples_exactly`:
+    a server, or a bfloat16 sampling copy, is not the training forward pass). Whether that means recomputing the
+    old log-probs is the update's one rule (`mappa.update.recomputes_old_logprobs`)."""
+    return UpdateSettings(cfg.train, cfg.generation.temperature, cfg.workflow.score_scale, samples_exactly)
 
 
-def _update_groups(run: Run, episodes: list[Episode], scores: list[list[float | None]]) -> dict[str, float]:
+def _update_groups(run: Run, episodes: list[Episode], scores: list[list[float | None]]) -> dict[str, GroupResult]:
     """Select each group's actions and have the engine update each group's weights (one group after another in
-    this process, all at once on their trainer actors with --ray). Returns the `agent/<group>/...` metrics."""
-    cfg, t, step, jobs, out = run.cfg, run.cfg.train, run.step, {}, {}
-    settings = update_settings(cfg)
+    this process, all at once on their trainer actors with --ray); each group's result."""
+    cfg, t, step, jobs = run.cfg, run.cfg.train, run.step, {}
+    settings = update_settings(cfg, run.engine.samples_exactly)
     for i, (g, members) in enumerate(run.groups.items()):
         actions, kept, dropped = select_actions(episodes, scores, members, cfg.coach.on_unscored, t.drop_truncated)
-        out[g] = {f"dropped_{why}": float(n) for why, n in dropped.items()}
-        out[g].update(actions_trained=float(len(actions)), optimizer_steps=0.0)
-        if kept:
-            mean = out[g]["reward_mean"] = sum(kept) / len(kept)
-            # the scores' spread (population std): near 0, whitening leaves the group little signal to learn from
-            out[g]["reward_std"] = math.sqrt(sum((s - mean) ** 2 for s in kept) / len(kept))
         seed = cfg.seed * 1_000_003 + step * 101 + i
-        jobs[g] = UpdateJob(actions, kept, seed, t.agent_lr.get(g, t.lr), step, settings)
+        jobs[g] = UpdateJob(actions, kept, seed, t.agent_lr.get(g, t.lr), step, settings, dropped)
     done = run.engine.update(jobs, status=lambda text: run.emit(Event("status", step + 1, f"step {step + 1}: {text}")))
-    return {f"agent/{g}/{k}": v for g in run.groups for k, v in {**out[g], **done[g]}.items()}
+    return {g: done[g] for g in run.groups}
 
 
-def train_step(run: Run) -> dict[str, float]:
-    """One step: rollouts -> rewards -> per-group updates -> log and checkpoint; returns the step's metrics."""
+def train_step(run: Run) -> StepResult:
+    """One step: rollouts -> rewards -> per-group updates -> log and checkpoint; returns what the step did (also
+    reported as a "step" event, then a note per group whose rewards had no spread)."""
     cfg, t = run.cfg, run.cfg.train
     t0 = time.perf_counter()
     run.emit(Event("status", run.step + 1, f"step {run.step + 1}: rollouts"))
@@ -228,27 +225,38 @@ def train_step(run: Run) -> dict[str, float]:
     batch, seed = [task for task in tasks for _ in range(t.samples_per_prompt)], cfg.seed + run.step + 1
     episodes = run.engine.play(batch, seed, progress=run.progress)
     t_rollout = time.perf_counter() - t0
-    metrics = episode_metrics(episodes, run.workflow.agents, "train")
     scores = per_action_scores(episodes, run.reward, cfg.coach.outcome_weight)
-    metrics.update(_update_groups(run, episodes, scores))
+    groups = _update_groups(run, episodes, scores)
     run.step += 1
     run.cursor += t.prompts_per_step
-    metrics.update(run.engine.step_sync(run.step, metrics))  # the new weights to whatever samples; its counters
-    t_total = time.perf_counter() - t0
-    rollout_tokens = sum(len(a.response_ids) for e in episodes for a in e.actions)
-    update_tokens = sum(v for k, v in metrics.items() if k.startswith("agent/") and k.endswith("/tokens"))
-    metrics.update(
-        {"time/rollout_s": t_rollout, "time/update_s": t_total - t_rollout,
-         "time/rollout_tokens_per_s": rollout_tokens / max(t_rollout, 1e-9),
-         "time/update_tokens_per_s": update_tokens / max(t_total - t_rollout, 1e-9),
-         **{f"coach/{k}": float(v) for k, v in run.engine.stats().items()}}
+    generation = run.engine.step_sync(run.step)  # the new weights to whatever samples; its counters
+    result = StepResult(
+        run.step, tuple(run.workflow.agents), episode_metrics(episodes, run.workflow.agents, "train"), groups,
+        generation, dict(run.engine.stats()), t_rollout, time.perf_counter() - t0 - t_rollout,
+        sum(len(a.response_ids) for e in episodes for a in e.actions),
     )  # fmt: skip
     append_episodes(run.run_dir / "episodes.jsonl", episodes, run.step)
-    run.tracker.log(metrics, run.step)
+    run.tracker.log_step(result)
     if run.step % t.checkpoint_every == 0 or run.step == t.steps:
         run.engine.save_checkpoint(run.run_dir, run.step, {"cursor": run.cursor}, keep=t.keep_checkpoints)
+    run.emit(Event("step", run.step, result=result))
+    for line in no_spread_lines(result):
+        run.emit(Event("note", run.step, line))
     _stop_if_unscored(run, episodes, scores)
-    return metrics
+    return result
+
+
+def no_spread_lines(result: StepResult) -> list[str]:
+    """A line per update group whose trained actions all scored alike in the step: whitening their rewards leaves
+    no signal from the coach (TRL reports the share of such groups as `frac_reward_zero_std`), which a mean score
+    alone does not show."""
+    out = []
+    for g, r in result.groups.items():
+        if r.reward_zero_std:
+            n = r.actions_trained
+            what = f"its {n} trained actions all scored" if n > 1 else "its one trained action scored"
+            out.append(f"step {result.step}: {g}: {what} {r.reward_mean:.2f}, no spread: nothing to learn from")
+    return out
 
 
 def _stop_if_unscored(run: Run, episodes: list[Episode], scores: list[list[float | None]]) -> None:
@@ -301,8 +309,8 @@ class TrainResult:
 
 
 def trained_before(run_dir: Path, groups: Sequence[str]) -> dict[str, int]:
-    """The actions each group trained on in the steps metrics.jsonl holds: on a resume, those up to its
-    checkpoint (the resume cut the file back there, `Tracker`)."""
+    """The actions each group trained on in the steps metrics.jsonl holds (read by the file's names): on a resume,
+    those up to its checkpoint (the resume cut the file back there, `Tracker`)."""
     out = dict.fromkeys(groups, 0)
     for row in read_metrics(run_dir):
         for g in groups:
@@ -330,10 +338,9 @@ def train(
         trained = trained_before(run_dir, run.groups) if run.step else dict.fromkeys(run.groups, 0)
         first = run.step
         while run.step < cfg.train.steps:
-            metrics = train_step(run)
-            for g in run.groups:
-                trained[g] += int(metrics.get(f"agent/{g}/actions_trained", 0))
-            run.emit(Event("step", run.step, metrics=metrics))
+            result = train_step(run)
+            for g, r in result.groups.items():
+                trained[g] += r.actions_trained
             if cfg.train.eval_every and run.step % cfg.train.eval_every == 0 and run.step != cfg.train.steps:
                 run_eval(run, f"step-{run.step:06d}")
         final = run_eval(run, "final")

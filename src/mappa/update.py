@@ -1,6 +1,6 @@
 """The update: REINFORCE++ / PPO-clip on one update group's rollout batch, in mini-batches.
 
-    metrics = update_group(policy, optimizer, actions, scores, settings, seed=step_seed)
+    stats = update_group(policy, optimizer, actions, scores, settings, seed=step_seed)  # an UpdateStats
 
 Log-probs of the reference and of the rollout-time policy come first (both before any optimizer step), the
 advantages are whitened once over the group's whole batch, then the batch is shuffled into mini-batches of
@@ -12,14 +12,20 @@ Every log-prob here (reference, rollout-time, current) is taken at `generation.t
 distribution the actions were sampled from (`mappa.decoding.scaled_logits`), as generation reports them.
 
 The update reads no run config: its caller resolves what it needs once into `UpdateSettings` (the trainer's
-`mappa.trainer.update_settings`), so this module knows nothing of where the actions were generated beyond
-what its policy says of its own sampling (`Policy.samples_exactly`) and what the job's settings say.
+`mappa.trainer.update_settings`), so this module knows nothing of where the actions were generated beyond what
+the generator said of its own log-probs (`UpdateSettings.samples_exactly`, asked of the run's engine). Whether
+PPO's old log-probs are recomputed is decided here, by one rule (`recomputes_old_logprobs`).
+
+What an update did comes back typed: `UpdateStats` from `update_group`, and a `GroupResult` per update group
+from `apply_update` (with what the group trained on, what it left out and why, and its rewards' spread). Only
+the tracker and the console give them metric names (`mappa.tracking.step_metrics`: `agent/<group>/<field>`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,14 +43,78 @@ STEP_STATS = ("loss", "grad_norm", "clip_frac", "ratio_mean", "approx_kl", "entr
 class UpdateSettings:
     """What the update reads, resolved by its caller from the run's config."""
 
-    train: TrainConfig  # its recompute_old_logprobs is read only through the resolved field below
+    train: TrainConfig
     temperature: float  # generation.temperature: every log-prob is of the distribution the tokens came from
     score_scale: float  # workflow.score_scale: the coach's 0-10 score times this is the action's reward
-    # PPO's old log-probs from a training forward pass, not the actions' generation-time ones: asked for, or
-    # forced because a generation server (other kernels, maybe another dtype) produced them
-    recompute_old_logprobs: bool
-    # the actions' log-probs came from a generation server: report how far they are from the trainer's
-    report_logprob_gap: bool
+    # the actions' generation-time log-probs are a training forward pass's own (`Generator.samples_exactly` of
+    # whatever sampled them, asked of the run's engine): false for a server or a bfloat16 sampling copy
+    samples_exactly: bool
+
+
+def recomputes_old_logprobs(settings: UpdateSettings, autocast: torch.dtype | None) -> bool:
+    """Whether PPO's old log-probs come from a training forward pass before the first optimizer step, rather than
+    from generation: when asked for (`train.recompute_old_logprobs`), when generation's are not the training
+    forward's (`samples_exactly` false: a server's kernels, a bfloat16 sampling copy), and when the update runs
+    under `autocast` (its forward is not in the precision generation ran in). The one place this is decided."""
+    return settings.train.recompute_old_logprobs or not settings.samples_exactly or autocast is not None
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """What one group's update did (`update_group`): token-weighted means over its optimizer steps, except where
+    said otherwise."""
+
+    loss: float  # the clipped surrogate, averaged as train.loss_aggregation says
+    grad_norm: float  # before clipping
+    clip_frac: float  # share of tokens whose ratio was clipped
+    ratio_mean: float  # pi_new / pi_old; 1 on the first mini-batch
+    approx_kl: float  # k3, rollout-time -> current policy
+    entropy: float  # nats: pi_T's next-token entropy over the trained tokens, from the loss's own logits
+    kl: float  # mean log pi_old - log pi_ref over the batch's tokens (the KL term of the token rewards)
+    advantage_abs: float  # mean |whitened advantage| over the batch's tokens
+    tokens: float  # response tokens in the batch (once, whatever the epochs)
+    optimizer_steps: int  # mini-batches x epochs
+    # mean |log pi_trainer - log pi_generator| per token: how far generation's log-probs were from the trainer's
+    # (`rl.logprob_gap`); None when generation sampled exactly and they were not recomputed to compare
+    logprob_gap: float | None = None
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """One update group's part of a training step (`apply_update`): which of its actions trained, how many were
+    left out and why, their rewards, and what the update did (`update` None: nothing to train on, no step)."""
+
+    actions_trained: int
+    dropped: Mapping[str, int]  # actions left out of the update, by reason (`mappa.rewards.DROP_REASONS`)
+    reward_mean: float | None  # of the trained actions' scores, 0-10 (`mappa.rewards`; None: no action trained)
+    reward_std: float | None  # their spread (population std): at 0, whitened advantages carry no coach signal
+    lr: float  # the group's learning rate after the update
+    update: UpdateStats | None = None
+
+    @classmethod
+    def of(cls, job: UpdateJob, update: UpdateStats | None, lr: float) -> GroupResult:
+        """The result of `job` whose update (if it had actions) did `update` and left the learning rate at `lr`."""
+        scores = job.scores
+        mean = sum(scores) / len(scores) if scores else None
+        std = math.sqrt(sum((s - mean) ** 2 for s in scores) / len(scores)) if mean is not None else None
+        return cls(len(job.actions), dict(job.dropped), mean, std, lr, update)
+
+    @property
+    def reward_zero_std(self) -> bool | None:
+        """Every trained action scored alike (TRL's `frac_reward_zero_std` for one group): nothing to learn from
+        the coach in this step. None when no action trained."""
+        return None if self.reward_std is None else self.reward_std == 0.0
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self.update.optimizer_steps if self.update is not None else 0
+
+
+def mean_logprob_gap(groups: Mapping[str, GroupResult]) -> float | None:
+    """The token-weighted mean of the groups' `logprob_gap` (those that report one); None when none does."""
+    pairs = [(u.logprob_gap, u.tokens) for g in groups.values() if (u := g.update) and u.logprob_gap is not None]
+    tokens = sum(n for _, n in pairs)
+    return sum(gap * n for gap, n in pairs) / tokens if tokens > 0 else None
 
 
 def _optimizer_step(
@@ -52,7 +122,9 @@ def _optimizer_step(
     old_logp: torch.Tensor, adv: torch.Tensor, settings: UpdateSettings,
 ) -> dict[str, float]:  # fmt: skip
     """One optimizer step on the mini-batch `idx`: micro-batches (sorted by length to pad less), each weighted
-    by its share of the mini-batch's tokens, so the loss is the mini-batch's token mean.
+    by its share of the mini-batch's tokens, so the loss is the mini-batch's token mean; with
+    `train.loss_aggregation: action` by its share of the mini-batch's actions, so the loss is the mean over the
+    actions of each one's token mean.
 
     Sharded weights (`mappa.sharding`): each rank takes every world-th micro-batch, and one with no rows left
     makes an idle pass of weight 0, since every rank must run as many forward and backward passes (their
@@ -77,13 +149,15 @@ def _optimizer_step(
                 )
             sel, width = torch.tensor(rows, device=old_logp.device), m.shape[1]
             loss, stats = rl.clipped_pg_loss(
-                logp.float(), old_logp[sel, :width], adv[sel, :width], m.float(), t.clip_eps
+                logp.float(), old_logp[sel, :width], adv[sel, :width], m.float(), t.clip_eps, t.loss_aggregation
             )
-            weight = share * float(m.sum()) / total
-            (loss * (weight * world)).backward()
+            weight = share * float(m.sum()) / total  # the diagnostics stay token means
+            loss_weight = share * len(rows) / len(idx) if t.loss_aggregation == "action" else weight
+            (loss * (loss_weight * world)).backward()
             entropy = float(ent.sum()) / max(float(m.sum()), 1.0)  # this micro-batch's token mean
-            sums += torch.tensor([float(loss.detach()), stats["clip_frac"], stats["ratio_mean"], stats["approx_kl"],
-                                  entropy], dtype=torch.float64) * weight  # fmt: skip
+            sums += torch.tensor([float(loss.detach()) * loss_weight, stats["clip_frac"] * weight,
+                                  stats["ratio_mean"] * weight, stats["approx_kl"] * weight, entropy * weight],
+                                 dtype=torch.float64)  # fmt: skip
     sharding.all_sum(sums)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
@@ -161,8 +235,8 @@ def update_group(
     policy: Any, optimizer: torch.optim.Optimizer, actions: Sequence[Action], scores: Sequence[float],
     settings: UpdateSettings, *, seed: int = 0, lr: Callable[[float], float] | None = None,
     on_step: Callable[[dict[str, float]], None] | None = None,
-) -> dict[str, float]:  # fmt: skip
-    """REINFORCE++ / PPO-clip on one group's rollout batch, in mini-batches; returns the update's metrics.
+) -> UpdateStats:  # fmt: skip
+    """REINFORCE++ / PPO-clip on one group's rollout batch, in mini-batches; returns what the update did.
 
     The group's agents share their trainable weights (that is what a group is: one optimizer), so the first
     action's agent stands for all of them in every forward pass.
@@ -181,9 +255,8 @@ def update_group(
         ref_logp, mask = _logprobs(policy, None, prompts, responses, t.micro_batch_size, temp)
     mask, ref_logp = mask.float(), ref_logp.float()
     batches = rl.minibatches(len(actions), t.mini_batch_size, t.epochs, seed)
-    # generation's log-probs are the ratio's reference only if they are this forward's: not under autocast, not
-    # from a bfloat16 sampling copy of float32 weights, not from a server (`settings`, resolved by the run)
-    if settings.recompute_old_logprobs or dtype is not None or not policy.samples_exactly:
+    # generation's log-probs are the ratio's reference only if they are this forward's (`recomputes_old_logprobs`)
+    if recomputes_old_logprobs(settings, dtype):
         with precision.autocast(dtype):
             if dtype is not None and sharding.rank_world()[1] == 1:  # bf16 moves with the layout (`_old_logprobs`)
                 old_logp = _old_logprobs(policy, actions, batches, settings)
@@ -207,18 +280,18 @@ def update_group(
             on_step(steps[-1])
     tokens = sum(s["tokens"] for s in steps)
     valid = mask.bool()
-    return {
+    return UpdateStats(
         **{k: sum(s[k] * s["tokens"] for s in steps) / max(tokens, 1.0) for k in STEP_STATS},  # token-weighted
-        "optimizer_steps": float(len(steps)),
-        "kl": float((old_logp - ref_logp)[valid].mean()) if valid.any() else 0.0,
-        "advantage_abs": float(adv[valid].abs().mean()) if valid.any() else 0.0,
-        "tokens": float(mask.sum()),
-        **({"logprob_gap": _logprob_gap(actions, old_logp)} if settings.report_logprob_gap else {}),
-    }
+        kl=float((old_logp - ref_logp)[valid].mean()) if valid.any() else 0.0,
+        advantage_abs=float(adv[valid].abs().mean()) if valid.any() else 0.0,
+        tokens=float(mask.sum()),
+        optimizer_steps=len(steps),
+        logprob_gap=None if settings.samples_exactly else _logprob_gap(actions, old_logp),
+    )
 
 
 def _logprob_gap(actions: Sequence[Action], old_logp: torch.Tensor) -> float:
-    """Mean |log pi_trainer - log pi_server| per token (`rl.logprob_gap`); a server that leaves the stop token's
+    """Mean |log pi_trainer - log pi_generator| per token (`rl.logprob_gap`); a server that leaves the stop token's
     log-prob out covers one token fewer."""
     return rl.logprob_gap(old_logp, [a.logprobs[: len(a.response_ids)] for a in actions])
 
@@ -233,25 +306,21 @@ class UpdateJob:
     peak_lr: float
     step: int  # steps done before this one: where the learning-rate schedule stands
     settings: UpdateSettings  # resolved once by the run, so a trainer actor needs no config to update
+    dropped: dict[str, int] = field(default_factory=dict)  # the group's actions left out, by reason: for its result
 
 
-def recomputing(job: UpdateJob) -> UpdateJob:
-    """`job` with its old log-probs recomputed by the trainer: its actions were sampled by another process from a
-    copy in another precision (a Ray rollout worker's bfloat16 sampling copy, a float32 trainer)."""
-    return replace(job, settings=replace(job.settings, recompute_old_logprobs=True))
-
-
-def apply_update(policy: Any, optimizer: torch.optim.Optimizer, job: UpdateJob) -> dict[str, float]:
-    """`update_group` on the job (nothing without actions); returns its metrics and the learning rate after it."""
+def apply_update(policy: Any, optimizer: torch.optim.Optimizer, job: UpdateJob) -> GroupResult:
+    """`update_group` on the job (nothing without actions); returns the group's result, with the learning rate
+    after it."""
     t = job.settings.train
 
     def lr(fraction: float) -> float:  # where this optimizer step ends in the whole run
         return job.peak_lr * rl.lr_factor((job.step + fraction) / max(t.steps, 1), t.warmup_ratio, t.min_lr_ratio)
 
-    out: dict[str, float] = {}
+    stats = None
     if job.actions:
-        out = update_group(policy, optimizer, job.actions, job.scores, job.settings, seed=job.seed, lr=lr)
-    return {**out, "lr": optimizer.param_groups[0]["lr"]}
+        stats = update_group(policy, optimizer, job.actions, job.scores, job.settings, seed=job.seed, lr=lr)
+    return GroupResult.of(job, stats, optimizer.param_groups[0]["lr"])
 
 
 def build_optimizer(policy: Any, agent: str, group: str, t: TrainConfig) -> torch.optim.Optimizer:

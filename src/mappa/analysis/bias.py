@@ -106,15 +106,23 @@ def action_table(episodes: Sequence[Episode]) -> ActionTable:
     return t
 
 
-def truth_design(correct: np.ndarray, quality: np.ndarray, steps: np.ndarray | None) -> np.ndarray:
-    """Columns that predict a score: intercept, outcome, normalised test score (when the run has one) and, with
-    `steps`, one indicator per step (a change common to all tasks is not a bias)."""
+def truth_design(correct: np.ndarray, quality: np.ndarray) -> np.ndarray:
+    """Columns that predict a score: intercept, outcome and normalised test score (when the run has one)."""
     cols = [np.ones_like(correct), correct]
     if np.isfinite(quality).any():
         cols.append(np.nan_to_num(quality, nan=0.0))
-    if steps is not None:
-        cols += [(steps == s).astype(float) for s in np.unique(steps)[1:]]
     return np.column_stack(cols)
+
+
+def within_steps(a: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """`a` (one value or one row of columns per action) less its mean within each training step: what a fit with
+    one indicator per step leaves (Frisch-Waugh-Lovell), so a change common to every task is explained, without
+    a column per step (a 128-step run would fit 128 columns for every stratum)."""
+    index = np.unique(steps, return_inverse=True)[1]
+    sums = np.zeros((index.max() + 1, *a.shape[1:]))
+    np.add.at(sums, index, a)
+    counts = np.bincount(index).reshape(-1, *([1] * (a.ndim - 1)))
+    return a - (sums / counts)[index]
 
 
 def _needs(tasks_in: int, tasks_out: int, actions: int, th: AnalysisConfig) -> str | None:
@@ -188,19 +196,20 @@ INSEPARABLE = "too little data to judge (the stratum's scores cannot be told apa
 
 
 def _fit(
-    score: np.ndarray, base: np.ndarray, c: _Candidate, tasks: np.ndarray, level: float
+    score: np.ndarray, base: np.ndarray, c: _Candidate, steps: np.ndarray, tasks: np.ndarray, level: float
 ) -> tuple[Estimate, Estimate | None]:
-    """(gap, drift) of one candidate from the joint fits: score on the truth design plus the stratum's indicator
-    (and, for the drift, the indicator in the second half of the steps); df as `clustered_contrast` counts them."""
+    """(gap, drift) of one candidate from the joint fits, all within steps: score on the truth columns plus the
+    stratum's indicator (and, for the drift, the indicator in the second half of the steps); df as
+    `clustered_contrast` counts them."""
     inside = c.inside.astype(float)
-    design = np.column_stack([base, inside])
+    design = np.column_stack([base, within_steps(inside, steps)])
     df = min(len(np.unique(tasks[c.inside])), len(np.unique(tasks[~c.inside]))) - 1
     gap = clustered_coefficient(score, design, -1, tasks, df, level)
     if c.drift_groups is None:
         return gap, None
-    late = (c.drift_groups % 2 == 1).astype(float)
+    late = within_steps(inside * (c.drift_groups % 2 == 1), steps)
     df = min(len(np.unique(tasks[c.drift_groups == g])) for g in range(4)) - 1
-    return gap, clustered_coefficient(score, np.column_stack([design, inside * late]), -1, tasks, df, level)
+    return gap, clustered_coefficient(score, np.column_stack([design, late]), -1, tasks, df, level)
 
 
 def bias_rows(t: ActionTable, th: AnalysisConfig) -> list[StratumBias]:
@@ -215,17 +224,19 @@ def bias_rows(t: ActionTable, th: AnalysisConfig) -> list[StratumBias]:
     level = th.alarm_alpha / max(tests, 1)
     out = []
     for c in cands:
-        y, tasks = score[c.rows], arrays["task"][c.rows]
-        base = truth_design(correct[c.rows], quality[c.rows], arrays["step"][c.rows])
+        tasks, steps = arrays["task"][c.rows], arrays["step"][c.rows]
+        # within steps, the step means take the intercept's place
+        y = within_steps(score[c.rows], steps)
+        base = within_steps(truth_design(correct[c.rows], quality[c.rows])[:, 1:], steps)
         gap, drift, judged = NAN_ESTIMATE, None, c.judged
         if judged is None:
-            gap, drift = _fit(y, base, c, tasks, level)
+            gap, drift = _fit(y, base, c, steps, tasks, level)
             judged = INSEPARABLE if math.isnan(gap[0]) else None
-        mean = float(y[c.inside].mean())
+        mean = float(score[c.rows][c.inside].mean())
         # what outcome and step alone predict: the joint fit less the stratum's term (its residuals average 0
         # inside), or where there is no such term the fit without it
-        alone = float(least_squares_residuals(y, base)[0][c.inside].mean()) if judged is not None else 0.0
-        predicted = mean - gap[0] if judged is None else alone
+        alone = float(least_squares_residuals(y, base)[1][c.inside].mean()) if judged is not None else 0.0
+        predicted = mean - gap[0] if judged is None else mean - alone
         out.append(
             StratumBias(
                 agent=c.agent, dimension=c.dimension, stratum=c.stratum, n=int(c.inside.sum()), mean_score=mean,

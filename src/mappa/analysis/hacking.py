@@ -56,7 +56,7 @@ def excess_rise(
     trend: Trend = serial_trend,
 ) -> Estimate:  # fmt: skip
     """Rise of the per-step mean of (score - outcome prediction) over the steps (pure: arrays in)."""
-    _, resid = least_squares_residuals(score, truth_design(correct, quality, None))
+    _, resid = least_squares_residuals(score, truth_design(correct, quality))
     uniq, index = np.unique(steps, return_inverse=True)
     means = np.bincount(index, weights=resid) / np.bincount(index)
     return trend(uniq.tolist(), means.tolist(), alpha)

@@ -44,21 +44,27 @@ def action_bar(console: Console, label: str) -> Iterator[ProgressFn]:
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
-def pct_ci(p: float, n: float) -> str:
-    """`20.3% [12.3, 31.7]`: an accuracy over `n` episodes with its Wilson 95% interval in percent."""
-    lo, hi = wilson_interval(round(p * n), int(n))
+def pct_ci(metrics: dict[str, float], key: str) -> str:
+    """`20.3% [12.3, 31.7]`: the accuracy under `key` with its 95% interval in percent: the one counting tasks
+    (`mappa.evaluate.accuracy_intervals`) where the metrics hold it, else Wilson over the episodes."""
+    p, n = metrics[f"{key}/accuracy"], metrics[f"{key}/episodes"]
+    if f"{key}/accuracy_ci_low" in metrics:
+        lo, hi = metrics[f"{key}/accuracy_ci_low"], metrics[f"{key}/accuracy_ci_high"]
+    else:
+        lo, hi = wilson_interval(round(p * n), int(n))
     return f"{p:.1%} [{lo * 100:.1f}, {hi * 100:.1f}]"
 
 
 def accuracy_table(metrics: dict[str, float], prefix: str = "eval") -> Table:
+    """Accuracy per task source and pooled; intervals count tasks (several samples of a task are one unit)."""
     table = Table(title_justify="left")
     for col in ("source", "episodes", "accuracy [95% CI]"):
         table.add_column(col, justify="left" if col == "source" else "right")
     for source in sources(metrics, prefix):
-        n = metrics[f"{prefix}/{source}/episodes"]
-        table.add_row(source, f"{n:.0f}", pct_ci(metrics[f"{prefix}/{source}/accuracy"], n))
+        key = f"{prefix}/{source}"
+        table.add_row(source, f"{metrics[f'{key}/episodes']:.0f}", pct_ci(metrics, key))
     n = metrics[f"{prefix}/episodes"]
-    table.add_row("[bold]all[/]", f"{n:.0f}", f"[bold]{pct_ci(metrics[f'{prefix}/accuracy'], n)}[/]")
+    table.add_row("[bold]all[/]", f"{n:.0f}", f"[bold]{pct_ci(metrics, prefix)}[/]")
     return table
 
 

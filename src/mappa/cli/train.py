@@ -4,18 +4,19 @@ During the run: what is under way (in a terminal a transient bar of the actions 
 terminal, a line per phase and a few progress lines within it, `mappa.progress`), the self-test's lines, an
 evaluation table at the start, every `train.eval_every` steps and the end, and one line per step (train accuracy,
 each agent's mean coach score, loss / KL, optimizer steps, clip fraction, seconds), and after it one line per
-agent that trained on no action in that step, with why (actions cut off at the token cap, unscored, ...). At the
-end, the held-out accuracy before and after with Wilson 95% intervals, and the gain with a 95% interval paired by
-task (Agresti-Min), so a gain can be told from noise. The first line names the sandbox's confinement, the next the
-run directory. A run in which no agent trained on any action ends with a warning line and exit code 3. Ctrl-C
-ends with the step that is saved and the exact command that continues the run (exit code 130).
+agent that trained on no action in that step, with why (actions cut off at the token cap, unscored, ...), and one
+per agent whose trained actions all scored alike (nothing to learn from). At the end, the held-out accuracy before
+and after with 95% intervals that count tasks (several samples of one task are one unit), and the gain with a 95%
+interval over the tasks, paired (`mappa.metrics.accuracy_gain`), so a gain can be told from noise. The first line names the sandbox's confinement, the next the run directory. A run in which no
+agent trained on any action ends with a warning line and exit code 3. Ctrl-C ends with the step that is saved and
+the exact command that continues the run (exit code 130).
 """
 
 from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -28,15 +29,18 @@ from mappa.config import Config
 from mappa.errors import MappaError
 from mappa.metrics import Gain
 from mappa.progress import ProgressLines
-from mappa.rewards import no_training_reason, untrained_groups
-from mappa.tracking import is_run_dir, run_config
+from mappa.rewards import no_training_reason
+from mappa.tracking import StepResult, is_run_dir, run_config
 from mappa.trainer import Event, TrainResult
+from mappa.update import UpdateStats
 
 NOTHING_TRAINED = 3  # the exit code of a run in which no agent trained on any action (docs/training.md)
+SCORES_LABEL = "mean coach score (0-10)"  # over the step table's agent columns
 
 
-def _mean(metrics: dict[str, float], groups: list[str], key: str) -> float:
-    values = [metrics[f"agent/{g}/{key}"] for g in groups if f"agent/{g}/{key}" in metrics]
+def _mean(result: StepResult, field: Callable[[UpdateStats], float]) -> float:
+    """The mean of an update's `field` over the groups that trained; NaN when none did."""
+    values = [field(g.update) for g in result.groups.values() if g.update is not None]
     values = [v for v in values if math.isfinite(v)]
     return sum(values) / len(values) if values else float("nan")
 
@@ -49,7 +53,6 @@ class Printer:
 
         self.console = console
         self.agents = build_workflow(cfg).agents
-        self.groups = ["shared"] if cfg.model.agent_weights == "shared" else list(self.agents)
         self.max_new_tokens = cfg.generation.max_new_tokens
         self.header_shown = False
         self.bar: Progress | None = None
@@ -103,33 +106,38 @@ class Printer:
             self.console.print(f"run: {event.text}", markup=False, highlight=False, soft_wrap=True)
         elif event.kind == "eval":
             print_eval(self.console, f"eval {event.text} (step {event.step})", event.metrics, self.agents)
-        elif event.kind == "step":
-            self.step_line(event.step, event.metrics)
-            self.untrained_lines(event.step, event.metrics)
+        elif event.kind == "step" and event.result is not None:
+            self.step_line(event.result)
+            self.untrained_lines(event.result)
 
-    def step_line(self, step: int, m: dict[str, float]) -> None:
+    def step_line(self, r: StepResult) -> None:
+        """The step's row of the table (its header first, once): train accuracy, each agent's mean coach score,
+        the trained groups' mean loss / KL and clip fraction, their optimizer steps, seconds."""
         if not self.header_shown:
             names = " ".join(f"{a[:12]:>12}" for a in self.agents)
+            over = f" {SCORES_LABEL} " if len(SCORES_LABEL) + 2 <= len(names) else SCORES_LABEL
+            self.console.print(f"{'':11} {over:-^{len(names)}}", markup=False, highlight=False)
             self.console.print(f"{'step':>5} {'acc':>5} {names}  {'loss/kl':>13} {'opt':>3} {'clip':>5}    s")
             self.header_shown = True
-        cells = " ".join(f"{m.get(f'train/{a}/score_mean', float('nan')):>12.2f}" for a in self.agents)
-        loss, kl, clip = (_mean(m, self.groups, k) for k in ("loss", "kl", "clip_frac"))
+        cells = " ".join(f"{r.episodes.get(f'train/{a}/score_mean', float('nan')):>12.2f}" for a in self.agents)
+        loss, kl, clip = _mean(r, lambda u: u.loss), _mean(r, lambda u: u.kl), _mean(r, lambda u: u.clip_frac)
         loss_kl = f"{loss:+.3f}/{kl:.3f}" if math.isfinite(loss) else "-"  # no agent had an action to train on
-        steps = sum(m.get(f"agent/{g}/optimizer_steps", 0.0) for g in self.groups)
-        seconds = m["time/rollout_s"] + m["time/update_s"]
+        steps = sum(g.optimizer_steps for g in r.groups.values())
         self.console.print(
-            f"{step:>5} {m['train/accuracy']:>5.0%} {cells}  {loss_kl:>13} {steps:>3.0f} "
-            f"{f'{clip:.1%}' if math.isfinite(clip) else '-':>5} {seconds:>4.0f}",
+            f"{r.step:>5} {r.episodes['train/accuracy']:>5.0%} {cells}  {loss_kl:>13} {steps:>3} "
+            f"{f'{clip:.1%}' if math.isfinite(clip) else '-':>5} {r.rollout_s + r.update_s:>4.0f}",
             highlight=False,
         )
 
-    def untrained_lines(self, step: int, m: dict[str, float]) -> None:
+    def untrained_lines(self, r: StepResult) -> None:
         """One line per agent (update group) that trained on no action this step, with the reasons counted: the
         step line's "-" and "opt 0" alone do not say that the settings, not the model, stopped the training."""
-        for group, dropped in untrained_groups(m).items():
-            why = no_training_reason(dropped, self.max_new_tokens)
+        for group, g in r.groups.items():
+            if g.actions_trained:
+                continue
+            why = no_training_reason(g.dropped, self.max_new_tokens)
             self.console.print(
-                f"step {step}: {group} trained on no action: {why}",
+                f"step {r.step}: {group} trained on no action: {why}",
                 style="yellow",
                 markup=False,
                 highlight=False,
@@ -150,12 +158,12 @@ def gain_lines(gain: Gain, tasks: int, final_step: int) -> list[str]:
     b_lo, b_hi = gain.before_ci
     a_lo, a_hi = gain.after_ci
     g_lo, g_hi = gain.gain_ci
-    how = "paired by task, Agresti-Min" if gain.paired else "unpaired, Newcombe"
     verdict = "beyond noise" if gain.significant else "within noise: the interval includes 0"
-    changed = f"; {gain.improved} episodes improved, {gain.worsened} worsened" if gain.paired else ""
+    changed = f"; {gain.improved} tasks improved, {gain.worsened} worsened" if gain.paired else ""
+    how = gain.method
     return [
         f"held-out accuracy, {tasks} tasks ({gain.n_after} episodes): {gain.before:.1%} [{b_lo:.1%}, {b_hi:.1%}] "
-        f"at step 0 -> {gain.after:.1%} [{a_lo:.1%}, {a_hi:.1%}] at step {final_step} (Wilson 95%)",
+        f"at step 0 -> {gain.after:.1%} [{a_lo:.1%}, {a_hi:.1%}] at step {final_step} (95%, over tasks)",
         f"gain {gain.gain * 100:+.1f} pp, 95% CI [{g_lo * 100:+.1f}, {g_hi * 100:+.1f}] pp ({how}{changed}): {verdict}",
     ]
 
@@ -164,7 +172,7 @@ def answered_line(change: Gain) -> str:
     """The held-out share of episodes that end with a final answer, right or wrong, before and after training: the
     format the final agent is asked for and a process coach rewards, which can move before accuracy does."""
     lo, hi = change.gain_ci
-    how = "paired by task, Agresti-Min" if change.paired else "unpaired, Newcombe"
+    how = change.method
     verdict = "beyond noise" if change.significant else "within noise"
     return (
         f"held-out episodes ending with a final answer (right or wrong): {change.before:.0%} -> {change.after:.0%}, "

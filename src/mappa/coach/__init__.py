@@ -287,6 +287,10 @@ def _openai(cfg: CoachConfig, template: Template, policy: Policy | None) -> Coac
 
 
 def _local(cfg: CoachConfig, template: Template, policy: Policy | None) -> Coach:
+    if cfg.judge == "logprob":
+        from mappa.coach.logprob_judge import LogprobCoach
+
+        return LogprobCoach(cfg, template, policy)
     from mappa.coach.local import LocalCoach
 
     return LocalCoach(cfg, template, policy)

@@ -21,6 +21,15 @@ caps a context gets, the tightest applying:
 - a cap the context states (`extra["score_cap"]`, a number or None, with `extra["score_cap_rule"]`, why), for
   a workflow with a rule of its own; like every cap it can only lower a score.
 
+Which rules cap the final agent's submission is the evidence's to say (`extra["cap_rules"]`, recorded by
+`ds_pipeline` from `workflow.ds_caps`): "mappa" (the default, above) or "paper", the published coach prompt's rules
+alone (`paper_cap`): its metric tables, RMSE as a share of the target's IQR rather than its range when the target
+is outlier-heavy, the upstream-fault exception (clear evidence of an earlier agent's failure lifts the cap to 8,
+never lowers it) and 2, or 5 with an earlier agent's file missing, for no valid submission. The paper's caps on
+the Data Engineer and the Modeler (at most 6 for poor features, 5 for a near-random model) hang on the outcome,
+which no evidence holds when those agents are scored (the published coach saw "N/A" there too): its coach
+prompt states them, no code enforces them.
+
 A new kind of cap is one more reader in `_READERS`.
 """
 
@@ -47,6 +56,16 @@ TRIVIAL_CAP = 4
 INVALID_CAP = 2
 INVALID_UPSTREAM_CAP = 3
 RECEIPT_CAP = 4  # a required file present but not what it claims (empty, garbage, the wrong rows, unfitted)
+# The published coach prompt's own numbers (dsbench_ds_pipeline.yaml of the published code): the exception for an
+# Analyst with clear evidence of an upstream failure ("up to 8, never 10"), the score of one that failed for an
+# upstream file ("3-5") and of the culprit of a missing submission ("0-2"); and when a target counts as
+# outlier-heavy, so that RMSE is graded as a share of its IQR ("use % of IQR ... in such cases"): a range over 8
+# IQRs wide, which no normal sample of up to a million rows reaches (about 7.3 at a million).
+PAPER_UPSTREAM_EXCEPTION = 8
+PAPER_INVALID_UPSTREAM_CAP = 5
+PAPER_INVALID_CAP = 2
+PAPER_OUTLIER_RANGE_IQR = 8.0
+CAP_RULES = ("mappa", "paper")
 
 
 def _step_cap(value: float, steps: Sequence[tuple[float, int]], floor: int, below: bool = False) -> int:
@@ -57,17 +76,18 @@ def _step_cap(value: float, steps: Sequence[tuple[float, int]], floor: int, belo
 
 
 def score_cap(
-    test: Mapping[str, Any], stats: Mapping[str, Any], upstream: Mapping[str, str] | None = None
+    test: Mapping[str, Any], stats: Mapping[str, Any], upstream: Mapping[str, str] | None = None, rules: str = "mappa"
 ) -> tuple[int | None, str]:
     """The highest score a submission's action may get given its test-set evaluation (`test`), the target's
     statistics (`stats`) and the earlier agents' required files missing or unusable when its agent began
-    (`upstream`: file -> agent), and why (None: no rule caps it)."""
+    (`upstream`: file -> agent), and why (None: no rule caps it); by `rules` (`CAP_RULES`: "paper" is `paper_cap`)."""
+    if rules == "paper":
+        return paper_cap(test, stats, upstream)
     metric, score, share = test.get("metric"), test.get("score"), test.get("reference_fraction")
     if not test.get("valid") or score is None:
         reason = str(test.get("reason") or "no submission")
         if upstream:
-            owed = ", ".join(f"{name} ({agent})" for name, agent in list(upstream.items())[:5])
-            why = f"no valid submission ({reason}); earlier agents' files were missing or unusable: {owed}"
+            why = f"no valid submission ({reason}); earlier agents' files were missing or unusable: {_owed(upstream)}"
             return INVALID_UPSTREAM_CAP, f"at most {INVALID_UPSTREAM_CAP}: {why}"
         return INVALID_CAP, f"at most {INVALID_CAP}: no valid submission ({reason})"
     caps = []
@@ -87,12 +107,53 @@ def score_cap(
     return cap, f"at most {cap}: {why}"
 
 
+def _owed(upstream: Mapping[str, str]) -> str:
+    return ", ".join(f"{name} ({agent})" for name, agent in list(upstream.items())[:5])
+
+
+def paper_cap(
+    test: Mapping[str, Any], stats: Mapping[str, Any], upstream: Mapping[str, str] | None = None
+) -> tuple[int | None, str]:
+    """`score_cap` by the published coach prompt's rules alone: ROC-AUC/accuracy and RMSE tables (RMSE as a share of
+    the IQR when the target spans over `PAPER_OUTLIER_RANGE_IQR` IQRs), no cap for another metric; an earlier
+    agent's missing or unusable file (`upstream`) lifts the cap to `PAPER_UPSTREAM_EXCEPTION`; no valid submission:
+    `PAPER_INVALID_CAP`, or `PAPER_INVALID_UPSTREAM_CAP` when an earlier agent's file was missing."""
+    metric, score = test.get("metric"), test.get("score")
+    if not test.get("valid") or score is None:
+        reason = str(test.get("reason") or "no submission")
+        if upstream:
+            cap, why = PAPER_INVALID_UPSTREAM_CAP, f"no valid submission ({reason}) for want of {_owed(upstream)}"
+        else:
+            cap, why = PAPER_INVALID_CAP, f"no valid submission ({reason})"
+        return cap, f"at most {cap} (the paper's rules): {why}"
+    found: tuple[int, str] | None = None
+    if metric in ("roc_auc", "accuracy"):
+        found = _step_cap(score, PAPER_CAPS, 3), f"{metric} {score:.3f}"
+    elif metric == "rmse" and stats.get("range"):
+        span, iqr = float(stats["range"]), float(stats.get("iqr") or 0.0)
+        if iqr > 0 and span > PAPER_OUTLIER_RANGE_IQR * iqr:  # outlier-heavy: the range flatters the RMSE
+            found = _step_cap(100 * score / iqr, RMSE_CAPS, 4, below=True), f"RMSE {100 * score / iqr:.1f}% of the IQR"
+        else:
+            found = (
+                _step_cap(100 * score / span, RMSE_CAPS, 4, below=True),
+                f"RMSE {100 * score / span:.1f}% of the range",
+            )
+    if found is None:
+        return None, f"no rule of the paper's caps {metric}"
+    cap, why = found
+    if upstream and cap < PAPER_UPSTREAM_EXCEPTION:
+        cap, why = PAPER_UPSTREAM_EXCEPTION, f"{why}, but earlier agents failed it: {_owed(upstream)}"
+    return cap, f"at most {cap} (the paper's rules): {why}"
+
+
 def submission_cap(ctx: CoachContext) -> tuple[int | None, str] | None:
-    """`score_cap` of the final agent's recorded test-set evaluation; None when the context carries none."""
+    """`score_cap` of the final agent's recorded test-set evaluation, by the rules the evidence names
+    (`extra["cap_rules"]`, default "mappa"); None when the context carries no evaluation."""
     test = ctx.extra.get("test_evaluation")
     if not ctx.is_final or not test:
         return None
-    return score_cap(test, ctx.extra.get("target_statistics") or {}, ctx.extra.get("missing_upstream") or {})
+    stats, upstream = ctx.extra.get("target_statistics") or {}, ctx.extra.get("missing_upstream") or {}
+    return score_cap(test, stats, upstream, str(ctx.extra.get("cap_rules") or "mappa"))
 
 
 def _submission(ctx: CoachContext) -> Cap | None:

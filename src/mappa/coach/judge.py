@@ -42,6 +42,7 @@ from mappa.coach.parse import (
 from mappa.coach.prompts import (
     MIN_FIELD_CHARS,
     ChatMessages,
+    Cut,
     EvidenceTooLong,
     Template,
     draw_fence,
@@ -147,6 +148,37 @@ class _Asked:
         return reply
 
 
+async def _first_reply(complete: Complete, messages: ChatMessages, retry_tokens: int, asked: _Asked) -> Reply:
+    """The first reply; when the token cap stopped it before its verdict (a thinking model may have spent the cap
+    thinking), the same request once more with `retry_tokens` of room for the written reply."""
+    reply = asked.add(await complete(messages), "")
+    if reply.cut and parse_score(reply.text) is None:
+        reply = asked.add(await complete(messages, retry_tokens), f"asked again with room for {retry_tokens}")
+    return reply
+
+
+def prompt_or_worst(
+    ctx: CoachContext, template: Template, fit: Fit, *, backend: str, model: str
+) -> tuple[ChatMessages, Cut] | CoachScore:
+    """The judgment's prompt within the coach's budget and what it cut, or the worst score when nothing judgeable
+    is left of the action (the rule above). Shared by every judge of a model-backed coach, the log-prob one too."""
+    # Both deterministic, so cached like any judgment (a larger budget is a new key); no request is made.
+    if not _visible(ctx.output):
+        answer = False if ctx.is_final and ctx.ground_truth is not None else None  # no answer given is no right one
+        return _worst("the output has no visible text", answer_correct=answer, backend=backend, model=model)
+    try:
+        return fit_prompt(ctx, template, fit.budget, fit.count, draw_fence(ctx, fit.specials))
+    except EvidenceTooLong as e:
+        why = f"its evidence does not fit the coach's budget even cut to {MIN_FIELD_CHARS} characters a field ({e})"
+        return _worst(why, truncated_inputs=len(ctx.messages), backend=backend, model=model)
+
+
+def cut_note(cut: Cut) -> str:
+    """What the prompt left out, at the head of the rationale; "" when the coach saw everything."""
+    said = cut.describe()
+    return f"[evidence cut: {said}] " if said else ""
+
+
 async def judge(
     ctx: CoachContext,
     template: Template,
@@ -165,17 +197,11 @@ async def judge(
     t0 = time.perf_counter()
     asked = _Asked()
     final = ctx.is_final and ctx.ground_truth is not None
-    # Both deterministic, so cached like any judgment (a larger budget is a new key); no request is made.
-    if not _visible(ctx.output):
-        answer = False if final else None  # no answer given is no right answer
-        return _worst("the output has no visible text", answer_correct=answer, backend=backend, model=model)
-    try:
-        messages, cut = fit_prompt(ctx, template, fit.budget, fit.count, draw_fence(ctx, fit.specials))
-    except EvidenceTooLong as e:
-        why = f"its evidence does not fit the coach's budget even cut to {MIN_FIELD_CHARS} characters a field ({e})"
-        return _worst(why, truncated_inputs=len(ctx.messages), backend=backend, model=model)
-    said = cut.describe()
-    note = f"[evidence cut: {said}] " if said else ""
+    prepared = prompt_or_worst(ctx, template, fit, backend=backend, model=model)
+    if isinstance(prepared, CoachScore):
+        return prepared
+    messages, cut = prepared
+    note = cut_note(cut)
 
     def result(score: float | None, error: str | None, text: str, why: str = "") -> CoachScore:
         return CoachScore(
@@ -198,24 +224,15 @@ async def judge(
         return result(score, None, text)
 
     try:
-        reply = asked.add(await complete(messages), "")
+        reply = await _first_reply(complete, messages, retry_tokens, asked)
     except RequestFailed as e:
         return result(None, f"{REQUEST_FAILED}: {e}", "")
     score = parse_score(reply.text)
-    if score is None and reply.cut:
-        # The cap stopped the reply before its verdict (a thinking model may have spent it thinking): the same
-        # request once more with more room for the written reply. A reply cut again is not followed up, which
-        # would be cut as well.
-        try:
-            reply = asked.add(await complete(messages, retry_tokens), f"asked again with room for {retry_tokens}")
-        except RequestFailed as e:
-            return result(None, f"{REQUEST_FAILED} on asking again with more room: {e}", reply.text)
-        score = parse_score(reply.text)
-        if score is None and reply.cut:
-            why = f"{CUT_VERDICT}, also with room for a {retry_tokens}-token reply (coach.max_tokens, thinking_budget)"
-            return result(None, why, reply.text)
     if score is not None:
         return scored(score, reply, reply.text)
+    if reply.cut:  # cut again with more room: a follow-up would be cut as well
+        why = f"{CUT_VERDICT}, also with room for a {retry_tokens}-token reply (coach.max_tokens, thinking_budget)"
+        return result(None, why, reply.text)
 
     # No unambiguous verdict (none, only mid-text, or contradicted by a quoted score): one follow-up asking for
     # exactly the required lines; the first reply stays as the rationale.

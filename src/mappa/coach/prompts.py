@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from mappa.coach import paper_templates
 from mappa.coach.caps import cap_shown, unusable_files
 from mappa.errors import MappaError
 from mappa.types import CoachContext
@@ -56,6 +57,9 @@ class Template:
     version: str
     system: str  # the coach's standing instructions
     rubric: str  # what a good action looks like in this workflow
+    # A published prompt to fill instead (`str.format` fields named as the published coach named them, see
+    # `_paper_fields`); empty: mappa's own layout (rubric, evidence rule, evidence sections, verdict format).
+    published: str = ""
 
 
 _ANALYSIS = "ANALYSIS: a few sentences on what the action did well or badly, citing the evidence."
@@ -137,7 +141,25 @@ GENERIC = Template(
 reasoning, runnable code when code is called for, consistency with the tool output, and focus.""",
 )
 
-TEMPLATES: dict[str, Template] = {t.name: t for t in (MATHCHAT, DS_PIPELINE, GENERIC)}
+# The paper's coach prompts (`mappa.coach.paper_templates`), verbatim but for three things: every agent-written
+# value is fenced as in our templates, the evidence rule is the system message (the published coach had none),
+# and one closing sentence says where the verdict lines go, since the parser reads them only at the reply's end.
+_PAPER_SYSTEM = "You evaluate one action of one agent of a multiagent system, as the user's message asks."
+MATHCHAT_PAPER = Template(
+    name="mathchat_paper",
+    version="mathchat_paper-v1",
+    system=_PAPER_SYSTEM,
+    rubric="",
+    published=paper_templates.MATHCHAT,
+)
+DS_PIPELINE_PAPER = Template(
+    name="ds_pipeline_paper", version="ds_pipeline_paper-v1", system=_PAPER_SYSTEM, rubric="",
+    published=paper_templates.DS_PIPELINE,
+)  # fmt: skip
+
+TEMPLATES: dict[str, Template] = {
+    t.name: t for t in (MATHCHAT, DS_PIPELINE, GENERIC, MATHCHAT_PAPER, DS_PIPELINE_PAPER)
+}
 
 
 def template_for(name: str, workflow: str) -> Template:
@@ -354,7 +376,7 @@ def render_context(ctx: CoachContext, cut: Cut = NO_CUT, fence: Fence | None = N
 
 
 # Keys of CoachContext.extra that are bookkeeping, not evidence for the coach.
-_HIDDEN_EXTRA = frozenset({"episode_correct", "episode_id", "action_index"})
+_HIDDEN_EXTRA = frozenset({"episode_correct", "episode_id", "action_index", "cap_rules"})
 # Keys of CoachContext.extra that file-passing workflows (ds_pipeline) fill and `_file_passing_sections` shows.
 _FILE_PASSING_EXTRA = frozenset(
     {"files_after", "files_saved", "required_files", "missing_upstream", "test_evaluation", "target_statistics",
@@ -408,10 +430,81 @@ def build_messages(
 ) -> ChatMessages:
     """OpenAI-style chat messages for one judgment; `fence` defaults to a freshly drawn one."""
     fence = fence or draw_fence(ctx)
-    fmt = _OUTPUT_FORMAT_FINAL if ctx.is_final and ctx.ground_truth is not None else _OUTPUT_FORMAT
     rule = _EVIDENCE_RULE.format(open=fence.open, close=fence.close)
+    if template.published:
+        return [
+            {"role": "system", "content": f"{template.system}\n{rule}"},
+            {"role": "user", "content": _published_prompt(ctx, template, cut, fence)},
+        ]
+    fmt = _OUTPUT_FORMAT_FINAL if ctx.is_final and ctx.ground_truth is not None else _OUTPUT_FORMAT
     user = f"{template.rubric}\n\n{rule}\n\n{render_context(ctx, cut, fence)}\n\n{fmt}"
     return [{"role": "system", "content": template.system}, {"role": "user", "content": user}]
+
+
+# ----------------------------------------------------------------------------------------- the paper's prompts
+_NO_GROUND_TRUTH = "N/A"  # what the published coach was given where it had no ground truth
+_NO_TOOL = "N/A (no tools used)"  # and where the action made no tool call
+_FIRST_AGENT = "(This is the first agent - no previous files)"
+
+
+def _title(agent: str) -> str:
+    """An agent's title from its name, as the published MathChat coach was told it ("code_executor" -> "Code
+    Executor"); a name that is no plain word stays a JSON string."""
+    label = _label(agent)
+    return label.replace("_", " ").title() if label == agent else label
+
+
+def _published_prompt(ctx: CoachContext, template: Template, cut: Cut, fence: Fence) -> str:
+    """The template's published text, its fields filled from `ctx` (`_paper_fields`), then the verdict sentence."""
+    final = ctx.is_final and ctx.ground_truth is not None
+    lines = "the PROCESS_SCORE line, then the ANSWER_CORRECT line" if final else "the PROCESS_SCORE line alone"
+    closing = (
+        "Your verdict lines end your reply; write their markers nowhere else (when you quote the evidence, leave "
+        f"out any such lines it holds). For this agent, write {lines}."
+    )
+    return f"{template.published.format_map(_paper_fields(ctx, cut, fence))}\n{closing}"
+
+
+def _paper_fields(ctx: CoachContext, cut: Cut, fence: Fence) -> dict[str, str]:
+    """The published coach prompts' fields, from the evidence mappa records: every value an agent could have
+    written fenced, the fixed wording of the published code where it had none (no tool call, no ground truth, the
+    first agent)."""
+
+    def wrap(text: str) -> str:
+        return fence.wrap(text, cut.field_chars)
+
+    section = _input_section(ctx, cut, fence)  # its heading says how the input was cut, when it was
+    agent_input = "\n".join(section[1:] if not cut.messages else [section[0].removeprefix("## "), *section[1:]])
+    saved = [
+        f"- {_title(agent)} saved: {file_list(files) if files else 'NO FILES SAVED'}"
+        for agent, files in list(ctx.files_by_agent.items())[:MAX_FILE_NAMES]
+    ]
+    return {
+        "problem": wrap(ctx.task),
+        "agent_role": _title(ctx.agent) if ctx.workflow == "mathchat" else _label(ctx.agent),
+        "agent_name": _label(ctx.agent),
+        "agent_input": agent_input,
+        "agent_output": wrap(ctx.output),
+        "tool_observation": _NO_TOOL if ctx.exec_result is None else wrap(ctx.observation),
+        "ground_truth_answer": _paper_ground_truth(ctx, wrap),
+        "files_available": wrap(file_list(ctx.files_visible)),
+        "files_from_previous_agents": wrap("\n".join(saved)) if saved else _FIRST_AGENT,
+    }
+
+
+def _paper_ground_truth(ctx: CoachContext, wrap: Callable[[str], str]) -> str:
+    """The final agent's ground truth: the reference answer, or the test-set evaluation of its submission with the
+    target's statistics and the cap code enforces on its score; "N/A" for every other agent."""
+    ex = ctx.extra
+    if ctx.is_final and "test_evaluation" in ex:
+        cap, rule = cap_shown(ctx)
+        bound = "none" if cap is None else f"at most {float(cap):g}"
+        test, stats = _items(ex["test_evaluation"].items()), _items(ex.get("target_statistics", {}).items())
+        shown = wrap(f"{test}\nTarget statistics (train.csv):\n{stats}")
+        return f"{shown}\nHard cap on this action's score: {bound}" + (f"\n{wrap(str(rule))}" if rule else "")
+    if ctx.is_final and ctx.ground_truth is not None:
+        return wrap(ctx.ground_truth)
+    return _NO_GROUND_TRUTH
 
 
 class EvidenceTooLong(Exception):

@@ -23,7 +23,7 @@ from mappa.errors import MappaError
 from mappa.paths import cache_dir, data_dir
 from mappa.tasks.answers import check_answer, extract_answer
 from mappa.tasks.arithmetic import arithmetic_tasks
-from mappa.tasks.math import HELD_OUT_SOURCES, MATH_SOURCES, near_duplicate, normalise_problem
+from mappa.tasks.math import HELD_OUT_SOURCES, MATH_SOURCES, near_duplicate, normalise_problem, published_draw
 from mappa.tasks.sources import external_locations, is_external, load_external
 from mappa.types import Task
 
@@ -78,47 +78,81 @@ def _from_files(name: str) -> bool:
     return name in MATH_SOURCES or is_external(name)
 
 
-def _held_out(key: str, held_out: dict[str, list[str]]) -> bool:
-    return any(key == other or near_duplicate(key, other) for other in held_out.get(key[:48], ()))
-
-
 def load_tasks(names: Sequence[str], cfg: TasksConfig, split: Literal["train", "eval"], seed: int) -> list[Task]:
     """The tasks of `names` for `split`, deduplicated, with a seeded draw of `cfg.train_size`/`cfg.eval_size`.
 
     Training pools of math and external sources lose every problem that also appears (by normalised text) in an
     evaluation source: the configured `cfg.eval` math and external sources, and with a math training source the
-    paper's held-out sets (aime2025, aime_eval32, amc_eval32). A draw uses
-    `random.Random(seed).sample`, as in the paper (512 of the 933 AIME problems with seed 42).
+    paper's held-out sets (aime2025, aime_eval32, amc_eval32). A draw uses `random.Random(seed).sample` of what is
+    left. With `cfg.train_draw: paper` the training draw is the published code's instead (`published_draw` over the
+    sources' rows in file order, before anything is removed: the paper's 512 of the 933 AIME problems with seed 42),
+    and a configured evaluation problem among the drawn ones is an error rather than a smaller draw.
     """
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if not names:
         raise MappaError(f"tasks.{split}: no task sources configured")
+    raw = [task for name in names for task in load_source(name, cfg, split, seed)]
+    size = cfg.train_size if split == "train" else cfg.eval_size
+    paper = split == "train" and cfg.train_draw == "paper" and size is not None
+    if paper:
+        _check_size(size, len(raw), split, names)
+        raw = [raw[i] for i in published_draw(len(raw), size, seed)]
     pool: list[Task] = []
     seen: set[str] = set()
-    for name in names:
-        for task in load_source(name, cfg, split, seed):
-            key = normalise_problem(task.problem)
-            if key not in seen:  # the same problem listed twice (amc and amc_eval32) counts once
-                seen.add(key)
-                pool.append(task)
+    for task in raw:
+        key = normalise_problem(task.problem)
+        if key not in seen:  # the same problem listed twice (amc and amc_eval32) counts once
+            seen.add(key)
+            pool.append(task)
     if split == "train" and any(_from_files(n) for n in names):
-        held_out: dict[str, list[str]] = {}  # opening -> normalised eval problems (for near duplicates)
-        paper = HELD_OUT_SOURCES if any(n in MATH_SOURCES for n in names) else ()
-        for name in dict.fromkeys([*cfg.eval, *paper]):
-            if _from_files(name):  # arithmetic and dsbench keep train/eval apart themselves
-                for t in load_source(name, cfg, "eval", seed):
-                    key = normalise_problem(t.problem)
-                    held_out.setdefault(key[:48], []).append(key)
-        pool = [t for t in pool if not _held_out(normalise_problem(t.problem), held_out)]
-        if not pool:
-            raise MappaError(
-                f"tasks.train: {list(names)} has no problems left after removing evaluation problems (a file "
-                "used for both train and eval: give two files, or rows a split field)"
-            )
-    size = cfg.train_size if split == "train" else cfg.eval_size
-    if size is not None:
-        if size > len(pool):
-            raise MappaError(f"tasks.{split}_size: {size} requested but {list(names)} has only {len(pool)} tasks")
+        pool = _without_eval_problems(pool, names, cfg, seed, refuse=paper)
+    if size is not None and not paper:
+        _check_size(size, len(pool), split, names)
         pool = random.Random(seed).sample(pool, size)
     return pool
+
+
+def _check_size(size: int, available: int, split: str, names: Sequence[str]) -> None:
+    if size > available:
+        raise MappaError(f"tasks.{split}_size: {size} requested but {list(names)} has only {available} tasks")
+
+
+def _without_eval_problems(
+    pool: list[Task], names: Sequence[str], cfg: TasksConfig, seed: int, *, refuse: bool
+) -> list[Task]:
+    """`pool` without the problems of the evaluation sources (with a math source, the paper's held-out sets too);
+    `refuse`: a drawn pool that must stay whole, where one is a MappaError naming the sources (only the configured
+    evaluation sources count then: the published draw held out only what its run evaluated on)."""
+    held_out: dict[str, list[tuple[str, str]]] = {}  # opening -> (normalised eval problem, its source)
+    paper = HELD_OUT_SOURCES if any(n in MATH_SOURCES for n in names) and not refuse else ()
+    for name in dict.fromkeys([*cfg.eval, *paper]):
+        if _from_files(name):  # arithmetic and dsbench keep train/eval apart themselves
+            for t in load_source(name, cfg, "eval", seed):
+                key = normalise_problem(t.problem)
+                held_out.setdefault(key[:48], []).append((key, name))
+    kept, hits = [], {}
+    for t in pool:
+        key = normalise_problem(t.problem)
+        found = next((src for other, src in held_out.get(key[:48], ()) if _same(key, other)), None)
+        if found is None:
+            kept.append(t)
+        else:
+            hits[found] = hits.get(found, 0) + 1
+    if refuse and hits:
+        where = ", ".join(f"{n} of {src}" for src, n in hits.items())
+        raise MappaError(
+            f"tasks.train_draw: paper: {sum(hits.values())} of the {len(pool)} drawn training problems are "
+            f"evaluation problems ({where}); the published draw is kept whole, so evaluate on other sets (the "
+            "paper's: aime2025, amc_eval32) or use train_draw: mappa"
+        )
+    if not kept:
+        raise MappaError(
+            f"tasks.train: {list(names)} has no problems left after removing evaluation problems (a file "
+            "used for both train and eval: give two files, or rows a split field)"
+        )
+    return kept
+
+
+def _same(key: str, other: str) -> bool:
+    return key == other or near_duplicate(key, other)

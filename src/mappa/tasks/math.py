@@ -196,6 +196,15 @@ def load_gsm8k_test(data_dir: Path) -> list[Task]:
     return _load_gsm8k(data_dir / "gsm8k_test.jsonl", "gsm8k_test")
 
 
+def published_draw(n: int, size: int, seed: int) -> list[int]:
+    """The rows the paper's training code draws from a file of `n` rows: numpy's legacy global generator seeded with
+    `seed`, `choice(n, size, replace=False)`, sorted (marti/controllers/base_controller.py, lines 429-434 of the
+    published code). The legacy generator's streams are fixed across numpy versions, so the draw is too."""
+    import numpy as np  # a training dependency already; imported here to keep task loading light
+
+    return sorted(int(i) for i in np.random.RandomState(seed).choice(n, size=size, replace=False))
+
+
 # Source name -> loader. Every file in the math data directory has one.
 MATH_SOURCES: dict[str, Callable[[Path], list[Task]]] = {
     "aime": load_aime,
@@ -208,5 +217,7 @@ MATH_SOURCES: dict[str, Callable[[Path], list[Task]]] = {
     "gsm8k_test": load_gsm8k_test,
 }
 
-# Held out whatever the config says: the paper's evaluation sets never leak into a training pool.
+# Held out whatever the config says: the paper's evaluation sets never leak into a training pool. The one exception
+# is `tasks.train_draw: paper`, which keeps the published draw whole (it holds 10 of aime_eval32's problems) and
+# refuses only the configured evaluation sets.
 HELD_OUT_SOURCES = ("aime2025", "aime_eval32", "amc_eval32")

@@ -33,15 +33,15 @@ def action_context(
     """The coach's evidence for one action of a team whose agents take turns: exactly what its agent saw, its raw
     output, its tool call and result, the tools it had (judged on code only if it had a tool) and `extra`; the
     ground truth for the `final` agent's coach only (earlier agents are judged on evidence alone). The agent's role
-    is its system prompt, as it saw it."""
+    is its system prompt, as it saw it, or its title when it had none (`workflow.prompts: paper`)."""
     spec = next((s for s in specs if s.name == action.agent), None)
     if spec is None:
         names = ", ".join(s.name for s in specs)
         raise MappaError(f"agent {action.agent!r} is not part of workflow {workflow!r} ({names})")
     is_final, result = spec.name == final, action.exec_result
     return CoachContext(
-        task=task.problem, workflow=workflow, agent=spec.name, role=system_prompt(action), is_final=is_final,
-        messages=action.messages, output=action.text, exec_result=result,
+        task=task.problem, workflow=workflow, agent=spec.name, role=system_prompt(action) or spec.title,
+        is_final=is_final, messages=action.messages, output=action.text, exec_result=result,
         observation="" if result is None else format_observation(result, observation_chars),
         ground_truth=task.answer if is_final else None, extra={"tools": list(spec.tools), **(extra or {})},
     )  # fmt: skip

@@ -18,8 +18,12 @@ required files present always among them), then how many more. Every ```python b
 into one snippet that runs in the workspace; the output comes back as `<tool_response>...</tool_response>`
 together with the files now present and those of its own that are not usable yet. An agent stops at an action
 without code, at its turn cap, or once its code ran cleanly and all its required files exist and count (its job
-is done; the paper's agents stop only at the first two, which costs turns the demo cannot afford). While a batch
-plays, all of an episode's state is one record (`ds_state.DsEpisode`).
+is done; the paper's agents stop only at the first two, which costs turns the demo cannot afford:
+`workflow.ds_stop_when_done: false` plays the paper's rule). With `workflow.prompts: paper` the agents get the
+published templates instead (`mappa.workflows.paper_prompts`: no system prompt, the file lists and warning as the
+published code wrote them, a bare tool response); with `workflow.show_coach_feedback` each agent's first prompt
+also carries the coach's note on every earlier agent's final message it is shown. While a batch plays, all of an
+episode's state is one record (`ds_state.DsEpisode`).
 
 Receipts: after every code run the required pickles present are checked inside the sandbox, in the workspace
 (`mappa.tasks.dsbench.receipts`: X_train a table of 1..n_train rows, y_train its target column, X_test exactly
@@ -57,7 +61,7 @@ from mappa.tasks.answers import without_reasoning
 from mappa.tasks.files import visible_names
 from mappa.types import Action, CoachContext, Episode, ExecResult, Message, Task
 from mappa.workflows import ds_prompts
-from mappa.workflows.base import AgentSpec, clip_middle, system_prompt
+from mappa.workflows.base import AgentSpec, clip_middle, feedback_note, system_prompt
 from mappa.workflows.ds_prompts import _TOOLS as _TOOLS  # the agents' tool text (a test checks their packages)
 from mappa.workflows.ds_prompts import (
     ANALYST,
@@ -142,14 +146,19 @@ def target_statistics(task: Task) -> dict[str, Any]:
 
 class DsPipeline:
     """The data-science pipeline, one episode at a time (`play`); built with the settings it reads, once: the
-    per-agent turn cap (`workflow.ds_max_turns`) and the longest tool observation (`sandbox.observation_chars`).
-    How it samples is the runtime's call (`mappa.workflows.runtime`)."""
+    per-agent turn cap (`workflow.ds_max_turns`), the stop rule (`ds_stop_when_done`), whose prompts the agents get
+    (`prompts`), the coach's notes shown (`show_coach_feedback`), the cap rules (`ds_caps`) and the longest tool
+    observation (`sandbox.observation_chars`). How it samples is the runtime's call (`mappa.workflows.runtime`)."""
 
     name = "ds_pipeline"
 
     def __init__(self, cfg: WorkflowConfig | None = None, sandbox: SandboxConfig | None = None) -> None:
         cfg = cfg or WorkflowConfig()
         self.observation_chars = (sandbox or SandboxConfig()).observation_chars
+        self.paper = cfg.prompts == "paper"  # the published prompts (`mappa.workflows.paper_prompts`)
+        self.stop_when_done = cfg.ds_stop_when_done
+        self.show_feedback = cfg.show_coach_feedback
+        self.cap_rules = cfg.ds_caps  # recorded in the evidence, so a replay applies the same caps
         self.specs = tuple(dataclasses.replace(s, max_turns=cfg.ds_max_turns) for s in SPECS)
         self.agents = tuple(s.name for s in self.specs)
         self.max_actions = sum(s.max_turns for s in self.specs)
@@ -179,7 +188,9 @@ class DsPipeline:
         budget: int | None,
         receipts: Receipts | None = None,
     ) -> str:
-        """The agent's first user turn (`ds_prompts.first_prompt`)."""
+        """The agent's first user turn (`ds_prompts.first_prompt`, or `paper_first_prompt`)."""
+        if self.paper:
+            return ds_prompts.paper_first_prompt(spec, task, files, team, budget)
         return ds_prompts.first_prompt(spec, task, files, team, budget, receipts)
 
     def messages(
@@ -187,10 +198,11 @@ class DsPipeline:
     ) -> list[Message]:
         """The agent's chat: its first prompt (the files it began with), then its own earlier replies and their
         tool responses; embedded text cut to `cut` characters (None: whole), `tokens` its reply's cap."""
-        messages = [
-            Message(role="system", content=self.role(spec, tokens)),
-            Message(role="user", content=self.first_prompt(spec, task, turns.start, team, cut, turns.start_receipts)),
-        ]
+        first = Message(
+            role="user", content=self.first_prompt(spec, task, turns.start, team, cut, turns.start_receipts)
+        )
+        # the paper's agents had no system prompt: their template is the whole first message
+        messages = [first] if self.paper else [Message(role="system", content=self.role(spec, tokens)), first]
         for action, observation in turns.history:
             messages.append(Message(role="assistant", content=clip_middle(action.text, cut)))
             messages.append(Message(role="user", content=clip_middle(observation, cut)))
@@ -199,7 +211,9 @@ class DsPipeline:
     def tool_response(
         self, spec: AgentSpec, result: ExecResult, files: Sequence[str], problems: Mapping[str, str] | None = None
     ) -> str:
-        """What a code run returns to its agent (`ds_prompts.tool_response`)."""
+        """What a code run returns to its agent (`ds_prompts.tool_response`, or `paper_tool_response`)."""
+        if self.paper:
+            return ds_prompts.paper_tool_response(result, self.observation_chars)
         return ds_prompts.tool_response(spec, result, files, self.observation_chars, problems)
 
     # ------------------------------------------------------------------------------------------------- coach
@@ -226,6 +240,8 @@ class DsPipeline:
         }
         if receipts is not None:
             ev["receipts"] = {name: dict(r) for name, r in receipts.items() if name in after}
+        if self.cap_rules != "mappa":  # recorded only when not the default: older evidence reads as the default
+            ev["cap_rules"] = self.cap_rules
         if spec.name == ANALYST.name:
             ev.update(
                 test_evaluation=self.test_evaluation(task, workspace), target_statistics=self.target_statistics(task)
@@ -316,12 +332,12 @@ class DsPipeline:
             "missing_upstream": dict(ev.get("missing_upstream", {})),
         }
         # Older recorded evidence may also hold a `score_cap`; it is not passed on: the coach derives the cap.
-        extra.update({k: ev[k] for k in ("test_evaluation", "target_statistics", "receipts") if k in ev})
+        extra.update({k: ev[k] for k in ("test_evaluation", "target_statistics", "receipts", "cap_rules") if k in ev})
         return CoachContext(
             task=task.problem,
             workflow=self.name,
             agent=spec.name,
-            role=system_prompt(action),
+            role=system_prompt(action) or spec.title,  # the paper's agents had no system prompt
             is_final=spec.name == ANALYST.name,
             messages=action.messages,
             output=action.text,
@@ -342,8 +358,9 @@ class DsPipeline:
         return self._episode(task, team, tools.workspace, ep)
 
     async def _agent(self, spec: AgentSpec, task: Task, team: Players, tools: Tools, ep: DsEpisode) -> None:
-        """Up to `spec.max_turns` turns of one agent; it stops at a reply without code, or once its code ran
-        cleanly and its required files exist and count. Records its final message and the files it saved."""
+        """Up to `spec.max_turns` turns of one agent; it stops at a reply without code, or (`ds_stop_when_done`)
+        once its code ran cleanly and its required files exist and count. Records its final message, the files it
+        saved and, when later agents are shown it, the coach's note on that message."""
         turns = ep.turns = AgentTurns(start=visible_files(tools.workspace), start_receipts=dict(ep.receipts))
         owed = missing_upstream(spec.name, turns.start, turns.start_receipts)
         tokens = team.sampling.max_new_tokens
@@ -358,11 +375,13 @@ class DsPipeline:
             files = visible_files(tools.workspace)
             problems = self.problems(spec, files, ep.receipts, action.evidence)
             turns.history.append((action, self.tool_response(spec, result, files, problems)))
-            if result.ok and all(f in files for f in REQUIRED[spec.name]) and not problems:
+            if self.stop_when_done and result.ok and all(f in files for f in REQUIRED[spec.name]) and not problems:
                 break
         if turns.final is not None:
             ep.team.finals[spec.name] = without_reasoning(turns.final.text).strip()
             ep.team.saved[spec.name] = tuple(listed(list(dict.fromkeys(turns.saved))))
+            if self.show_feedback and turns.final.coach is not None:  # no coach (evaluation): no note to show
+                ep.team.notes[spec.name] = feedback_note(spec.title, turns.final.coach)
 
     async def _run(
         self, spec: AgentSpec, task: Task, team: Players, tools: Tools, ep: DsEpisode, reply: Reply,

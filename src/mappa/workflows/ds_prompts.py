@@ -1,5 +1,6 @@
 """What the data-science agents (`mappa.workflows.ds_pipeline`) are told: their roles, the files each must save,
-their first prompt and the tool response to a code run.
+their first prompt and the tool response to a code run; ours, or the paper's (`workflow.prompts: paper`:
+`paper_first_prompt`, `paper_tool_response`, the templates in `mappa.workflows.paper_prompts`).
 
 A file list, in a prompt or in the coach's evidence, shows at most `mappa.tasks.files.MAX_LISTED` names (the
 required files present always among them), then how many more. A required file counts as saved only when its
@@ -15,6 +16,7 @@ from typing import Any
 from mappa.sandbox.codeblocks import format_observation
 from mappa.tasks.files import bounded_names
 from mappa.types import ExecResult, Task
+from mappa.workflows import paper_prompts as paper
 from mappa.workflows.base import AgentSpec, clip_middle
 from mappa.workflows.ds_state import Team
 
@@ -143,13 +145,46 @@ def first_prompt(
     spec: AgentSpec, task: Task, files: Sequence[str], team: Team, budget: int | None, receipts: Receipts | None = None
 ) -> str:
     """The agent's first user turn: the task, the files present (`receipts`: theirs when it began), what earlier
-    agents saved and said (their final messages cut in the middle to `budget` characters; None: whole)."""
+    agents saved and said (their final messages cut in the middle to `budget` characters; None: whole), and the
+    coach's note on each of those messages when it is shown (`Team.notes`)."""
     lines = [f"Task description:\n{task.problem.strip()}", f"Files in the folder: {', '.join(listed(files))}"]
     lines += [f"Saved by the {TITLES[agent]}: {', '.join(saved) or 'nothing'}" for agent, saved in team.saved.items()]
     lines += _warnings(spec.name, files, receipts)
     for agent, text in team.finals.items():
         lines.append(f"The {TITLES[agent]}'s final message:\n{clip_middle(text, budget) or '(empty)'}")
+        lines += [team.notes[agent]] if agent in team.notes else []
     return "\n\n".join([*lines, ASK[spec.name]])
+
+
+def paper_first_prompt(spec: AgentSpec, task: Task, files: Sequence[str], team: Team, budget: int | None) -> str:
+    """The agent's first user turn as the published code wrote it (`workflow.prompts: paper`,
+    `mappa.workflows.paper_prompts`): its template filled with the task, the files present (the Analyst's with the
+    published warning) and the earlier agents' final messages (cut in the middle to `budget` characters); then the
+    coach's notes on those messages when they are shown."""
+    shown = listed(files)
+    summary = {agent: clip_middle(text, budget) for agent, text in team.finals.items()}
+    if spec.name == DATA_ENGINEER.name:
+        text = paper.DS_DATA_ENGINEER.format(
+            task_description=task.problem, available_files_list=paper.files_list(shown)
+        )
+    elif spec.name == MODELER.name:
+        text = paper.DS_MODELER.format(
+            task_description=task.problem, available_files_list=paper.files_list(shown),
+            preprocessing_summary=summary.get(DATA_ENGINEER.name, ""),
+        )  # fmt: skip
+    else:
+        text = paper.DS_ANALYST.format(
+            task_description=task.problem, available_files_list=paper.analyst_files_list(shown),
+            preprocessing_summary=summary.get(DATA_ENGINEER.name, ""), model_summary=summary.get(MODELER.name, ""),
+        )  # fmt: skip
+    notes = [team.notes[agent] for agent in team.finals if agent in team.notes]
+    return "\n\n".join([text, *notes])
+
+
+def paper_tool_response(result: ExecResult, observation_chars: int) -> str:
+    """What a code run returns to its agent with the paper's prompts: the output alone, as the published code sent
+    it (marti/worlds/steps/mcp_step.py, lines 103-104)."""
+    return f"<tool_response>\n{format_observation(result, observation_chars)}\n</tool_response>"
 
 
 def tool_response(

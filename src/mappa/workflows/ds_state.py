@@ -1,7 +1,8 @@
 """One data-science episode in flight (`mappa.workflows.ds_pipeline`): all of its state in one record.
 
 DsEpisode
-  team      Team           what the agents done so far passed on: final messages and the files each saved
+  team      Team           what the agents done so far passed on: final messages, the files each saved and (with
+                           workflow.show_coach_feedback) the coach's note on each final message
   turns     AgentTurns     the agent now playing: the files it started with, its chat so far, what it saved
   receipts  dict           the latest receipts of the required pickles present (`mappa.tasks.dsbench.receipts`)
 """
@@ -19,6 +20,7 @@ class Team:
 
     finals: dict[str, str] = field(default_factory=dict)  # agent -> final message, reasoning removed
     saved: dict[str, tuple[str, ...]] = field(default_factory=dict)  # agent -> files its code created or changed
+    notes: dict[str, str] = field(default_factory=dict)  # agent -> the coach's note on its final action, when shown
 
 
 @dataclass

@@ -23,81 +23,37 @@ import dataclasses
 from collections.abc import Sequence
 
 from mappa.config import SandboxConfig, WorkflowConfig
-from mappa.sandbox.codeblocks import format_observation
 from mappa.tasks import check_answer, extract_answer
-from mappa.types import Action, CoachContext, Episode, ExecResult, Message, Task
+from mappa.types import Action, CoachContext, Episode, Message, Task
+from mappa.workflows import paper_prompts
 from mappa.workflows.base import AgentSpec, action_context, clip_middle, feedback_note
+from mappa.workflows.mathchat_prompts import (
+    CODER,
+    CODER_ASK,
+    SOLVER,
+    SOLVER_ASK,
+    VERIFIER,
+    VERIFIER_ASK,
+    VERIFIER_ASK_SHORT,
+    tool_response,
+)
 from mappa.workflows.runtime import Team, Tools
 
-_TEAM = "a math team of three agents: Problem Solver, then Code Executor, then Verifier"
-
-SOLVER = AgentSpec(
-    name="problem_solver",
-    title="Problem Solver",
-    role=(
-        f"You are the Problem Solver, the first agent of {_TEAM}. The Code Executor will check your work by "
-        "running Python, and the Verifier gives the team's final answer: the team succeeds only if the "
-        "Verifier's answer is right. Solve the problem step by step and state your answer clearly. You cannot "
-        "run code. Keep it short: your reply is cut off after {budget} tokens."
-    ),
-    max_turns=1,
-    sees="the problem",
-)
-
-CODER = AgentSpec(
-    name="code_executor",
-    title="Code Executor",
-    role=(
-        f"You are the Code Executor, the second agent of {_TEAM}. You see the problem and the Problem "
-        "Solver's answer. Write a ```python code block that computes the answer and prints it; the code runs "
-        "and its output comes back to you in <tool_response>. You can run code {turns} time(s); reply without a "
-        "code block when you are done, stating the result. The Verifier sees only your final message and the "
-        "last tool output, so make your final message self-contained. Keep it short: each reply is cut off "
-        "after {budget} tokens."
-    ),
-    max_turns=2,
-    tools=("python",),
-    sees="the problem and the Problem Solver's full output",
-)
-
-VERIFIER = AgentSpec(
-    name="verifier",
-    title="Verifier",
-    role=(
-        f"You are the Verifier, the last agent of {_TEAM}. You see the problem, the Code Executor's final "
-        "message and its last tool output. Check them and give the team's final answer as \\boxed{{answer}}. "
-        "The team succeeds only if your boxed answer is right. Keep it short: your reply is cut off after "
-        "{budget} tokens."
-    ),
-    max_turns=1,
-    sees="the problem, the Code Executor's final action and the last tool output (not the Solver's text)",
-)
-
-
-# The task restated at the end of each prompt: small models follow the last instruction they read.
-SOLVER_ASK = "Solve it step by step and end with the answer."
-CODER_ASK = "Write a ```python block that computes the answer and prints it."
-VERIFIER_ASK = "Check the work, then give the final answer in the form \\boxed{...}."
-# Generated arithmetic has integer answers and is what small models train on: a one-line answer is the format
-# a 135M model follows (measured: about 7x more replies with an extractable answer than with the boxed ask).
-VERIFIER_ASK_SHORT = "Reply with one line only: The answer is <number>."
-
-
-def tool_response(result: ExecResult, max_chars: int) -> str:
-    """The user turn that carries a code run's observation back to the agent."""
-    return f"<tool_response>\n{format_observation(result, max_chars=max_chars)}\n</tool_response>"
+__all__ = ["CODER", "SOLVER", "VERIFIER", "MathChat"]
 
 
 class MathChat:
     """The MathChat workflow, one episode at a time (`play`); built with the settings it reads, once: the Code
-    Executor's turn cap and the feedback switch (`workflow`), and from `sandbox` the longest tool observation an
-    agent and the coach see (`observation_chars`). How it samples is the runtime's call (`mappa.workflows.runtime`)."""
+    Executor's turn cap, the feedback switch and whose prompts the agents get (`workflow.prompts`: ours, or the
+    paper's verbatim, `mappa.workflows.paper_prompts`), and from `sandbox` the longest tool observation an agent and
+    the coach see (`observation_chars`). How it samples is the runtime's call (`mappa.workflows.runtime`)."""
 
     name = "mathchat"
 
     def __init__(self, cfg: WorkflowConfig | None = None, sandbox: SandboxConfig | None = None) -> None:
         cfg = cfg or WorkflowConfig()
         self.show_feedback = cfg.show_coach_feedback
+        self.paper = cfg.prompts == "paper"
         self.observation_chars = (sandbox or SandboxConfig()).observation_chars
         self.coder = dataclasses.replace(CODER, max_turns=cfg.coder_max_turns)
         self.specs = (SOLVER, self.coder, VERIFIER)
@@ -141,6 +97,8 @@ class MathChat:
         return spec.role.format(budget=budget, turns=spec.max_turns)
 
     def solver_messages(self, task: Task, budget: int) -> list[Message]:
+        if self.paper:
+            return [Message(role="user", content=paper_prompts.MATHCHAT_SOLVER.format(problem=task.problem))]
         return [
             Message(role="system", content=self.role(SOLVER, budget)),
             Message(role="user", content=f"Problem:\n{task.problem}\n\n{SOLVER_ASK}"),
@@ -151,11 +109,15 @@ class MathChat:
         budget: int,
     ) -> list[Message]:  # fmt: skip
         """The Code Executor's chat: the problem + the Solver's output, then its own earlier turns."""
-        first = f"Problem:\n{task.problem}\n\nThe Problem Solver's answer:\n{clip_middle(solver.text, cut)}"
-        messages = [
-            Message(role="system", content=self.role(self.coder, budget)),
-            Message(role="user", content=f"{first}{feedback}\n\n{CODER_ASK}"),
-        ]
+        if self.paper:
+            first = paper_prompts.MATHCHAT_CODER.format(problem=task.problem, solution=clip_middle(solver.text, cut))
+            messages = [Message(role="user", content=f"{first}{feedback}")]
+        else:
+            first = f"Problem:\n{task.problem}\n\nThe Problem Solver's answer:\n{clip_middle(solver.text, cut)}"
+            messages = [
+                Message(role="system", content=self.role(self.coder, budget)),
+                Message(role="user", content=f"{first}{feedback}\n\n{CODER_ASK}"),
+            ]
         for action, observation in history:
             messages.append(Message(role="assistant", content=clip_middle(action.text, cut)))
             messages.append(Message(role="user", content=clip_middle(observation, cut)))
@@ -169,6 +131,11 @@ class MathChat:
         self, task: Task, coder_final: Action, last_output: str | None, feedback: str, cut: int | None, budget: int
     ) -> list[Message]:
         """The Verifier's chat: the problem + only the Code Executor's final action and the last tool output."""
+        if self.paper:
+            last = None if last_output is None else clip_middle(last_output, cut)
+            execution = paper_prompts.verifier_execution(clip_middle(coder_final.text, cut), last)
+            content = paper_prompts.MATHCHAT_VERIFIER.format(problem=task.problem, execution=execution)
+            return [Message(role="user", content=f"{content}{feedback}")]
         output = last_output if last_output is not None else "(no code was run)"
         content = (
             f"Problem:\n{task.problem}\n\nThe Code Executor's final message:\n{clip_middle(coder_final.text, cut)}"

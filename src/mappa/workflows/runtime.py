@@ -156,7 +156,7 @@ class Team:
         build = messages if callable(messages) else (lambda budget: messages)
         cap = self.sampling.max_context_tokens
         msgs = list(build(None))
-        ids = self.rt.generator.chat_ids(msgs)
+        ids = self.rt.generator.chat_ids(agent, msgs)
         if cap is None or len(ids) <= cap or not callable(messages):
             if cap is not None and len(ids) > cap:
                 raise EpisodeStopped(f"{agent}: prompt of {len(ids)} tokens exceeds max_context_tokens={cap}")
@@ -165,7 +165,7 @@ class Team:
         while budget > 0:  # shrink in proportion to the overshoot (tokens ~ chars), with a margin to converge fast
             budget = min(budget - 1, int(budget * cap / len(ids) * 0.9))
             msgs = list(build(max(budget, 0)))
-            ids = self.rt.generator.chat_ids(msgs)
+            ids = self.rt.generator.chat_ids(agent, msgs)
             if len(ids) <= cap:
                 self._books.clipped_prompts += 1
                 return msgs, ids
