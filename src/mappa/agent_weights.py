@@ -36,7 +36,6 @@ class AdapterWeights:
     ) -> None:  # fmt: skip
         self.adapter = adapter_names(agents, shared=shared)  # agent -> its peft adapter
         self.model: PeftModel = wrap_lora(base, self.adapters(), lora)
-        self._adapter_params = [p for n, p in self.model.named_parameters() if ".lora_" in n]
         if base_name is not None:
             name_base(self.model, base_name, revision)
 
@@ -57,6 +56,9 @@ class AdapterWeights:
         if agent is None:
             try:
                 with self.model.disable_adapter():
+                    # switched off, not frozen: FSDP2 (`mappa.sharding`) reads which weights train at the first
+                    # forward pass, often this one, to reduce their gradients in float32 for float32 adapters
+                    self._unfreeze_adapters()
                     yield self.model
             finally:
                 self._unfreeze_adapters()
@@ -69,9 +71,11 @@ class AdapterWeights:
 
     def _unfreeze_adapters(self) -> None:
         """peft freezes every inactive adapter on a switch (and all of them around disable_adapter); keep
-        all trainable so an optimizer built earlier over another agent's parameters sees requires_grad=True."""
-        for p in self._adapter_params:
-            p.requires_grad_(True)
+        all trainable so an optimizer built earlier over another agent's parameters sees requires_grad=True. Looked
+        up anew: sharding (`mappa.sharding`) replaces each parameter by its shard."""
+        for n, p in self.model.named_parameters():
+            if ".lora_" in n:
+                p.requires_grad_(True)
 
     def files(self, with_base: bool) -> dict[str, Any]:
         files = policy_files.adapter_files(self.model, self.adapters())
@@ -92,7 +96,9 @@ class AdapterWeights:
 
 
 class FullWeights:
-    """A full trainable copy of the base per agent; the base itself is the reference."""
+    """A full trainable copy of the base per agent; the base itself is the reference. The copies are in the base's
+    dtype: in bfloat16 (a GPU) AdamW steps float32 masters of them (`mappa.update.MasterAdamW`; sharded,
+    `mappa.sharding.mixed_precision` makes the shards float32), or lr 1e-6 would be lost to rounding."""
 
     def __init__(self, base: torch.nn.Module, agents: Sequence[str]) -> None:
         self.adapter: dict[str, str] = {}  # no peft adapters (`AdapterWeights.adapter`)

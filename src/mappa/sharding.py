@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mappa.errors import MappaError
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 TIMEOUT = datetime.timedelta(minutes=30)  # a rank that waits longer for its peers has lost one
 
@@ -45,7 +48,8 @@ def init(rank: int, world: int, address: str, device: str) -> None:
 def shard_modules(modules: Iterable[torch.nn.Module], device: str) -> None:
     """`fully_shard` each decoder layer (the unit gathered at a time), then each model's remaining weights
     (embeddings, norm, LM head). Decoder layers are the classes the model names in `_no_split_modules`, as
-    accelerate's FSDP auto-wrap policy finds them."""
+    accelerate's FSDP auto-wrap policy finds them. A model in a half dtype computes in it with float32 trained
+    shards (`mixed_precision`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -55,9 +59,26 @@ def shard_modules(modules: Iterable[torch.nn.Module], device: str) -> None:
         layers = [m for m in model.modules() if type(m).__name__ in layer_names]
         if not layers:
             raise MappaError(f"train.fsdp_ranks: {type(model).__name__} names no decoder layer class to shard")
+        policy = mixed_precision(model)
         for layer in layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def mixed_precision(model: torch.nn.Module) -> MixedPrecisionPolicy:
+    """FSDP2's precision for `model`: with weights in a half dtype (bfloat16 on a GPU), its trained weights become
+    float32 (the shards AdamW steps: at lr 1e-6 a step is far below bfloat16's rounding), gathered in the half
+    dtype for compute, gradients reduced in float32; frozen weights stay as they are. A float32 model: FSDP's
+    default, everything in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    half = [p.dtype for p in model.parameters() if p.dtype in (torch.bfloat16, torch.float16)]
+    if not half:
+        return MixedPrecisionPolicy()
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()  # in place: the parameter objects (peft's, the policy's) stay the same
+    return MixedPrecisionPolicy(param_dtype=half[0], reduce_dtype=torch.float32)
 
 
 def _no_split_modules(model: torch.nn.Module) -> list[str]:

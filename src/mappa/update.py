@@ -24,7 +24,7 @@ the tracker and the console give them metric names (`mappa.tracking.step_metrics
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,7 @@ from mappa.types import Action
 
 # per optimizer step; entropy: mean over the trained tokens of pi_T's entropy, from the loss's own logits
 STEP_STATS = ("loss", "grad_norm", "clip_frac", "ratio_mean", "approx_kl", "entropy")
+HALF = (torch.bfloat16, torch.float16)  # weights in these train on float32 masters (`MasterAdamW`)
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,8 @@ def _optimizer_step(
                                   stats["ratio_mean"] * weight, stats["approx_kl"] * weight, entropy * weight],
                                  dtype=torch.float64)  # fmt: skip
     sharding.all_sum(sums)
+    if isinstance(optimizer, MasterAdamW):  # clip and step the float32 masters' gradients, not bfloat16 ones
+        optimizer.take_grads()
     params = [p for g in optimizer.param_groups for p in g["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
     optimizer.step()
@@ -324,9 +327,65 @@ def apply_update(policy: Any, optimizer: torch.optim.Optimizer, job: UpdateJob) 
 
 
 def build_optimizer(policy: Any, agent: str, group: str, t: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over `agent`'s trainable weights (those of its update group) at the group's peak learning rate."""
+    """AdamW over `agent`'s trainable weights (those of its update group) at the group's peak learning rate; on
+    float32 masters (`MasterAdamW`) when the weights are in a half dtype (a bfloat16 full copy on a GPU)."""
     lr, betas = t.agent_lr.get(group, t.lr), tuple(t.adam_betas)
-    return torch.optim.AdamW(policy.trainable_parameters(agent), lr=lr, betas=betas, weight_decay=t.weight_decay)
+    params = policy.trainable_parameters(agent)
+    adamw = MasterAdamW if any(p.dtype in HALF for p in params) else torch.optim.AdamW
+    return adamw(params, lr=lr, betas=betas, weight_decay=t.weight_decay)
+
+
+class MasterAdamW(torch.optim.AdamW):
+    """AdamW that steps float32 master copies of half-precision weights, then rounds them into the weights.
+
+    At the full fine-tune's lr 1e-6 an AdamW step moves a weight by ~1e-6, far below bfloat16's rounding (a weight
+    of 0.02 is stored to ~1e-4): stepped in place, nearly every update is lost. So the optimizer's parameters are
+    the masters; forward and backward still run in the weights' dtype, and `take_grads` moves their gradients onto
+    the masters (in float32) before clipping. `state_dict` carries the masters, so a resume continues from them
+    exactly, not from their rounding. Memory: 4 bytes per weight more, and float32 gradients at the step."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], **kwargs: Any) -> None:
+        self.weights = list(params)
+        super().__init__([p.detach().float().clone() for p in self.weights], **kwargs)
+
+    def masters(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def take_grads(self) -> None:
+        """Each weight's gradient, cast to float32, becomes its master's (the weight's own is freed)."""
+        for weight, master in zip(self.weights, self.masters(), strict=True):
+            if weight.grad is not None:
+                master.grad, weight.grad = weight.grad.float(), None
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        self.take_grads()  # a no-op after the update's own call; here for a caller that steps without one
+        loss = super().step(closure)
+        for weight, master in zip(self.weights, self.masters(), strict=True):
+            weight.copy_(master)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for weight in self.weights:
+            weight.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "masters": self.masters()}  # references, as AdamW's own state
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """AdamW's state and the masters; a state without masters (saved before they were kept) starts them
+        from the weights as they are, so load the weights first."""
+        saved, masters = state_dict.get("masters"), self.masters()
+        shapes = [tuple(s.shape) if isinstance(s, torch.Tensor) else None for s in saved or []]
+        if saved is not None and (not isinstance(saved, list) or shapes != [tuple(m.shape) for m in masters]):
+            raise ValueError(f"its master weights do not fit the {len(masters)} trained weights")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "masters"})
+        for weight, master, value in zip(self.weights, masters, saved or self.weights, strict=True):
+            master.copy_(value)
+            weight.copy_(master)
 
 
 def update_groups(agents: Sequence[str], agent_weights: str) -> dict[str, list[str]]:
