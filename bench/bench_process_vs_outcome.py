@@ -20,7 +20,7 @@ it and what the arm's own training changed (start -> final on the same tasks, on
 seeds: right answers, and episodes ending with an answer at all), and the gaps process - outcome and process -
 shared: first over seeds (one paired gain per seed, Student t
 interval on seeds - 1 degrees of freedom, the number of seeds named), then per task (tasks x seeds pooled,
-Agresti-Min), which leaves the variation between seeds out; with one seed it says so. Then `mappa compare` and
+paired by task, t on the per-task differences), which leaves the variation between seeds out; with one seed it says so. Then `mappa compare` and
 `mappa report` over the runs. Runs go under --out as <arm>-seed<S>; a finished run is reused and a killed one is
 resumed, so the benchmark can be stopped and started again; `--so-far` (with the same size flags) trains nothing and
 summarises the seeds every arm has finished, into interim.json, while a long benchmark runs.

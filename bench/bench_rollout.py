@@ -10,6 +10,7 @@ sampling against the policy's own forward pass on a sample of actions (what the 
 
     .venv/bin/python bench/bench_rollout.py [--config configs/demo.yaml] [--episodes 16 64] [--rounds 2]
     .venv/bin/python bench/bench_rollout.py --config configs/ds_demo.yaml --episodes 8
+    .venv/bin/python bench/bench_rollout.py --episodes 16 --set generation.max_new_tokens=256   # lengths that vary
 
 Goal: >= 1.3x episodes/min at equal tokens.
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 BASE = "d65533a"
 
 
-def one_arm(config: str, episodes: int, seed: int) -> dict[str, float]:
+def one_arm(config: str, episodes: int, seed: int, overrides: list[str]) -> dict[str, float]:
     """Play `episodes` training episodes of `config` with whichever mappa is importable; time and tokens."""
     import torch
 
@@ -37,7 +38,7 @@ def one_arm(config: str, episodes: int, seed: int) -> dict[str, float]:
     from mappa.config import load_config
     from mappa.rollout import build_kit, pick_tasks, train_tasks
 
-    cfg = load_config(config, [f"seed={seed}"])
+    cfg = load_config(config, [*overrides, f"seed={seed}"])
     workflow = workflows.build_workflow(cfg)
     tasks = pick_tasks(train_tasks(cfg), episodes, seed)
     with build_kit(cfg, workflow.agents, workflow=workflow.name, coach=False) as kit:
@@ -61,7 +62,7 @@ def one_arm(config: str, episodes: int, seed: int) -> dict[str, float]:
             "logprob_gap": gap, "exact": float(kit.policy.samples_exactly)}  # fmt: skip
 
 
-def compare(config: str, episodes: int, rounds: int, rev: str) -> None:
+def compare(config: str, episodes: int, rounds: int, rev: str, overrides: list[str]) -> None:
     repo = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory(prefix="mappa-bench-") as tmp:
         tree = Path(tmp) / "tree"
@@ -73,7 +74,15 @@ def compare(config: str, episodes: int, rounds: int, rev: str) -> None:
                 for side, src in sides.items() if r % 2 == 0 else reversed(sides.items()):
                     # as `mappa` runs: OpenMP threads that spin on a shared, oversubscribed CPU slow every matmul
                     env = {**os.environ, "PYTHONPATH": str(src), "OMP_WAIT_POLICY": "PASSIVE"}
-                    cmd = [sys.executable, __file__, "--arm", config, str(episodes), str(r)]
+                    cmd = [
+                        sys.executable,
+                        __file__,
+                        "--arm",
+                        config,
+                        str(episodes),
+                        str(r),
+                        *(f"--set={o}" for o in overrides),
+                    ]
                     done = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True)
                     if done.returncode != 0:
                         raise SystemExit(f"{side}: {done.stderr[-2000:]}")
@@ -86,7 +95,7 @@ def compare(config: str, episodes: int, rounds: int, rev: str) -> None:
     new, old = (seen[k] for k in sides)
     tok = [n["tokens"] / n["seconds"] / (o["tokens"] / o["seconds"]) for n, o in zip(new, old, strict=True)]
     epm = [n["episodes"] / n["seconds"] / (o["episodes"] / o["seconds"]) for n, o in zip(new, old, strict=True)]
-    print(f"{config}, {episodes} episodes, {rounds} rounds: tokens/s ratio median {statistics.median(tok):.2f}x "
+    print(f"{config} {' '.join(overrides)}, {episodes} episodes, {rounds} rounds: tokens/s ratio median {statistics.median(tok):.2f}x "
           f"(rounds {', '.join(f'{x:.2f}' for x in tok)}), episodes/min ratio median {statistics.median(epm):.2f}x "
           f"(rounds {', '.join(f'{x:.2f}' for x in epm)}); goal >= 1.3x", flush=True)  # fmt: skip
 
@@ -97,14 +106,15 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--against", default=BASE, metavar="REV", help="the lockstep revision to compare with")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     ap.add_argument("--arm", nargs=3, metavar=("CONFIG", "EPISODES", "SEED"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.arm:
         config, n, seed = args.arm
-        print(json.dumps(one_arm(config, int(n), int(seed))))
+        print(json.dumps(one_arm(config, int(n), int(seed), args.set)))
         return
     for n in args.episodes:
-        compare(args.config, n, args.rounds, args.against)
+        compare(args.config, n, args.rounds, args.against, args.set)
 
 
 if __name__ == "__main__":

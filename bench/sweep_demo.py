@@ -3,7 +3,8 @@
 Each cell is a recipe (a set of `--set` overrides of the demo config); every cell runs once per seed with
 `mappa train`, and the held-out gain (final evaluation minus the first) is given two ways, as `mappa compare`
 does: over seeds (one paired gain per seed, Student t on seeds - 1 degrees of freedom: task sampling and
-seed-to-seed variation both counted) and per task pooled over seeds (Agresti-Min; seed variation left out).
+seed-to-seed variation both counted) and per task pooled over seeds (paired by task, t on the
+per-task differences; seed variation left out).
 A finished run is reused, so a killed sweep resumes where it stopped.
 
     .venv/bin/python bench/sweep_demo.py --out /tmp/sweep --seeds 1 2 3 \\

@@ -48,10 +48,15 @@ def pct_ci(metrics: dict[str, float], key: str) -> str:
     """`20.3% [12.3, 31.7]`: the accuracy under `key` with its 95% interval in percent: the one counting tasks
     (`mappa.evaluate.accuracy_intervals`) where the metrics hold it, else Wilson over the episodes."""
     p, n = metrics[f"{key}/accuracy"], metrics[f"{key}/episodes"]
-    if f"{key}/accuracy_ci_low" in metrics:
-        lo, hi = metrics[f"{key}/accuracy_ci_low"], metrics[f"{key}/accuracy_ci_high"]
-    else:
-        lo, hi = wilson_interval(round(p * n), int(n))
+    if f"{key}/accuracy_ci_low" not in metrics:
+        return share_ci(p, n)
+    lo, hi = metrics[f"{key}/accuracy_ci_low"], metrics[f"{key}/accuracy_ci_high"]
+    return f"{p:.1%} [{lo * 100:.1f}, {hi * 100:.1f}]"
+
+
+def share_ci(p: float, n: float) -> str:
+    """`20.3% [12.3, 31.7]`: a share of `n` episodes with its Wilson 95% interval in percent."""
+    lo, hi = wilson_interval(round(p * n), int(n))
     return f"{p:.1%} [{lo * 100:.1f}, {hi * 100:.1f}]"
 
 
@@ -86,8 +91,8 @@ def tabular_table(metrics: dict[str, float], prefix: str = "eval") -> Table | No
     for name, key in [*((t, f"{head}/{t}") for t in types), ("[bold]all[/]", head)]:
         n = metrics[f"{key}/episodes"]
         figures = [_paper_cell(metrics.get(f"{key}/paper/{k}"), k) for k in PAPER_FIGURES] if paper else []
-        successes = [pct_ci(metrics[f"{key}/success_rate"], n)] if success else []
-        table.add_row(name, f"{n:.0f}", *successes, pct_ci(metrics[f"{key}/valid_rate"], n),
+        successes = [share_ci(metrics[f"{key}/success_rate"], n)] if success else []
+        table.add_row(name, f"{n:.0f}", *successes, share_ci(metrics[f"{key}/valid_rate"], n),
                       f"{metrics[f'{key}/gap']:.3f}", f"{metrics[f'{key}/reference_fraction']:.2f}",
                       *figures)  # fmt: skip
     return table
