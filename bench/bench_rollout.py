@@ -35,7 +35,8 @@ def one_arm(config: str, episodes: int, seed: int) -> dict[str, float]:
 
     import mappa.workflows as workflows
     from mappa.config import load_config
-    from mappa.rollout import build_kit, pick_tasks, train_tasks
+    from mappa.rollout import build_kit
+    from mappa.tasks.sampler import pick_tasks, train_tasks
 
     cfg = load_config(config, [f"seed={seed}"])
     workflow = workflows.build_workflow(cfg)

@@ -3,7 +3,7 @@
 On CUDA it runs the GPU settings of docs/scale.md: bf16 weights, gradient checkpointing, one LoRA adapter
 (r=16) per agent on the shared base. On a CPU it runs in fp32 (use --tiny there: a 2-layer model, seconds).
 Per step and per agent: one batched generation of `--batch` responses up to `--tokens` tokens with the agent's
-adapter (rollout), then the trainer's own update on them (`mappa.update.apply_update`: reference and old
+adapter (rollout), then the trainer's own update on them (`mappa.training.update.apply_update`: reference and old
 log-probs, then REINFORCE++ / PPO-clip with micro-batches). Nothing is downloaded: the weights are random and
 the tokenizer is mappa's small test tokenizer (512 tokens); layers, widths and heads are Qwen3-0.6B's.
 
@@ -19,7 +19,8 @@ Writes `gpu_train_check.json` under $OUT (or the working directory); one line pe
 
     python bench/gpu_train_check.py                          # Qwen3-0.6B shape, CUDA if available
     python bench/gpu_train_check.py --tiny --steps 1          # seconds on a CPU
-    python bench/gpu_train_check.py --ranks 4                 # the agents sharded over 4 GPUs (FSDP2, mappa.sharding)
+    python bench/gpu_train_check.py --ranks 4                 # the agents sharded over 4 GPUs (FSDP2,
+    mappa.policy.sharding)
 
 With `--ranks N` the agents' weights are sharded over N processes, one GPU each (on a CPU, N processes over
 gloo), as `train.fsdp_ranks` shards a trainer; the actions are then synthetic (64 prompt and --tokens response
@@ -37,13 +38,13 @@ from pathlib import Path
 
 import torch
 
-from mappa import sharding
 from mappa.config import Config
-from mappa.models import tiny_tokenizer
-from mappa.policy import Policy
-from mappa.trainer import update_settings
+from mappa.policy import sharding
+from mappa.policy.models import tiny_tokenizer
+from mappa.policy.policy import Policy
+from mappa.training.trainer import update_settings
+from mappa.training.update import UpdateJob, apply_update, build_optimizer
 from mappa.types import Action, Message
-from mappa.update import UpdateJob, apply_update, build_optimizer
 
 AGENTS = ("problem_solver", "code_executor", "verifier")
 QWEN3_0_6B = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,

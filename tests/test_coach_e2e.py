@@ -26,6 +26,8 @@ from mappa.config import CoachConfig, GenerationConfig
 from mappa.types import Action, CoachContext, Episode, ExecResult, Message, Task, read_jsonl, write_jsonl
 from mappa.workflows.mathchat import CODER, SOLVER, VERIFIER, MathChat
 
+pytestmark = pytest.mark.integration
+
 GEN = GenerationConfig(max_new_tokens=64)
 
 
@@ -238,8 +240,8 @@ def test_coach_score_command_errors(tmp_path: Path) -> None:
 
 
 def test_local_coach_on_a_tiny_model(tmp_path: Path) -> None:
-    from mappa.models import tiny_model_and_tokenizer
-    from mappa.policy import Policy
+    from mappa.policy.models import tiny_model_and_tokenizer
+    from mappa.policy.policy import Policy
 
     model, tokenizer = tiny_model_and_tokenizer()
     policy = Policy.from_model(model, tokenizer, ["problem_solver", "code_executor", "verifier"])
@@ -264,8 +266,8 @@ def test_local_coach_on_a_tiny_model(tmp_path: Path) -> None:
 
 def test_local_coach_fits_long_evidence_to_its_budget(tmp_path: Path) -> None:
     """Counted with the coach model's own tokenizer and chat template: the prompt it decodes fits exactly."""
-    from mappa.models import tiny_model_and_tokenizer
-    from mappa.policy import Policy
+    from mappa.policy.models import tiny_model_and_tokenizer
+    from mappa.policy.policy import Policy
 
     model, tokenizer = tiny_model_and_tokenizer()
     policy = Policy.from_model(model, tokenizer, ["verifier"])
@@ -296,7 +298,7 @@ def test_embedded_model_served_and_coaching(tmp_path: Path) -> None:
     the openai coach completes every judgment (scored, or unscored after the follow-up; never a failure)."""
     import openai
 
-    from mappa.chat_engine import load_policy
+    from mappa.policy.chat_engine import load_policy
     from mappa.serving.server import create_app, start_server
 
     policy = load_policy("smollm2-135m-instruct")

@@ -24,8 +24,8 @@ from mappa.coach import build_coach
 from mappa.config import CoachConfig, load_config
 from mappa.errors import MappaError
 from mappa.plugins import coach_kind, load_object, qualified_name
-from mappa.selftest import check_coach
-from mappa.trainer import Event, Parts
+from mappa.training.selftest import check_coach
+from mappa.training.trainer import Event, Parts
 from mappa.types import Action, CoachContext, Episode, Message, Task, read_jsonl, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]

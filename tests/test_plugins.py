@@ -21,8 +21,8 @@ from mappa.coach.plugin import FunctionCoach
 from mappa.config import CoachConfig, load_config
 from mappa.errors import MappaError
 from mappa.plugins import anchor, coach_kind, is_import_path, load_object
-from mappa.rewards import per_action_scores
 from mappa.tasks import load_tasks
+from mappa.training.rewards import per_action_scores
 from mappa.types import Action, CoachContext, CoachScore, Episode, Message, Task
 from mappa.workflows import build_workflow
 

@@ -16,17 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_resume import _Toy  # the same one-tensor stand-in for a policy
+from helpers import ToyPolicy  # the same one-tensor stand-in for a policy
 
-from mappa.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint
 from mappa.errors import MappaError
-from mappa.tracking import drop_lines_after
+from mappa.training.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint
+from mappa.training.tracking import drop_lines_after
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _checkpoint(run_dir: Path) -> Path:
-    toy = _Toy()
+    toy = ToyPolicy()
     opt = torch.optim.AdamW([toy.w], lr=0.1)
     toy.w.grad = torch.ones(3)
     opt.step()
@@ -34,7 +34,7 @@ def _checkpoint(run_dir: Path) -> Path:
 
 
 def _load(ckpt: Path) -> dict:
-    toy = _Toy()
+    toy = ToyPolicy()
     return load_checkpoint(ckpt, policy=toy, optimizers={"a": torch.optim.AdamW([toy.w], lr=0.1)})
 
 
@@ -116,7 +116,7 @@ def test_a_resume_killed_while_rewriting_a_log_loses_no_history(tmp_path: Path) 
     script = (
         "import resource, signal, sys\n"
         "from pathlib import Path\n"
-        "from mappa.tracking import drop_lines_after\n"
+        "from mappa.training.tracking import drop_lines_after\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_DFL)\n"  # Python ignores it; the kernel's default kills
         "resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))\n"
         "drop_lines_after(Path(sys.argv[1]), 1500)\n"
@@ -173,7 +173,7 @@ def test_runs_started_in_the_same_second_get_their_own_directories(
 ) -> None:
     from datetime import datetime
 
-    import mappa.tracking as tracking
+    import mappa.training.tracking as tracking
     from mappa.config import load_config
 
     class _SameSecond(datetime):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mappa.rl import (
+from mappa.training.rl import (
     clipped_pg_loss,
     lr_factor,
     masked_whiten,

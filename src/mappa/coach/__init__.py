@@ -33,7 +33,7 @@ from mappa.protocols import CallCounters, Coach, ProgressFn
 from mappa.types import CoachContext, CoachScore
 
 if TYPE_CHECKING:
-    from mappa.policy import Policy
+    from mappa.policy.policy import Policy
 
 __all__ = [
     "COACHES",

@@ -98,7 +98,7 @@ def select_actions(
 def untrained_groups(metrics: Mapping[str, float]) -> dict[str, dict[str, int]]:
     """The update groups that trained on no action in one step's row of metrics.jsonl (`agent/<g>/actions_trained`
     0), each with its actions left out by reason (`agent/<g>/dropped_<why>`): why a step moved none of its weights.
-    For a run's files (`mappa report`); a live run reads its typed results (`mappa.update.GroupResult`)."""
+    For a run's files (`mappa report`); a live run reads its typed results (`mappa.training.update.GroupResult`)."""
     out: dict[str, dict[str, int]] = {}
     for key, value in metrics.items():
         parts = key.split("/")

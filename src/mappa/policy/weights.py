@@ -1,12 +1,13 @@
-"""The weight modes behind `mappa.policy.Policy` (`model.agent_weights`): where each agent's trainable weights live.
+"""The weight modes behind `mappa.policy.policy.Policy` (`model.agent_weights`): where each agent's trainable weights
+live.
 
 - `AdapterWeights` (`lora`, `shared`): one peft LoRA adapter per agent (one for all in `shared`) on one frozen base;
   the reference is the base with the adapters switched off.
 - `FullWeights` (`full`): a separate full trainable copy of the base per agent; the reference is the untouched base.
 
 Each answers the same questions: which module runs an agent, which parameters are its own, which files hold them
-(`mappa.policy_files`), and what a sampling copy of them is (`mappa.sampling_copies`). The policy holds one and
-calls it under its lock, so it never asks which mode it is in.
+(`mappa.policy.storage`), and what a sampling copy of them is (`mappa.policy.sampling_copies`). The policy holds one
+and calls it under its lock, so it never asks which mode it is in.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mappa import policy_files, sampling_copies
-from mappa.lora import LoraSettings, adapter_names, fold_adapter, name_base, plain_base, wrap_lora
+from mappa.policy import sampling_copies, storage
+from mappa.policy.lora import LoraSettings, adapter_names, fold_adapter, name_base, plain_base, wrap_lora
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -74,11 +75,11 @@ class AdapterWeights:
             p.requires_grad_(True)
 
     def files(self, with_base: bool) -> dict[str, Any]:
-        files = policy_files.adapter_files(self.model, self.adapters())
-        return (files | policy_files.base_files(self.model.get_base_model())) if with_base else files
+        files = storage.adapter_files(self.model, self.adapters())
+        return (files | storage.base_files(self.model.get_base_model())) if with_base else files
 
     def load(self, directory: Path) -> None:
-        policy_files.load_adapters(directory, self.model, self.adapters())
+        storage.load_adapters(directory, self.model, self.adapters())
 
     def sampling_key(self, agent: str | None) -> str | None:
         """Which sampling copy serves `agent`: its adapter's (`shared`: one for every agent); None: the base."""
@@ -115,11 +116,11 @@ class FullWeights:
         yield self.model if agent is None else self.copies[agent]
 
     def files(self, with_base: bool) -> dict[str, Any]:
-        files = policy_files.full_copy_files(self.copies)
-        return (files | policy_files.base_files(self.model)) if with_base else files
+        files = storage.full_copy_files(self.copies)
+        return (files | storage.base_files(self.model)) if with_base else files
 
     def load(self, directory: Path) -> None:
-        policy_files.load_full_copies(directory, self.copies)
+        storage.load_full_copies(directory, self.copies)
 
     def sampling_key(self, agent: str | None) -> str | None:
         return agent
