@@ -34,7 +34,7 @@ from mappa.config import (
     load_config,
 )
 from mappa.metrics import episode_metrics
-from mappa.policy.models import tiny_model_and_tokenizer, tiny_tokenizer
+from mappa.policy.models import chat_prompt_ids, tiny_model_and_tokenizer, tiny_tokenizer
 from mappa.policy.policy import Generation, Policy
 from mappa.sandbox import Sandbox
 from mappa.tasks.dsbench.reference import reference_snippets
@@ -61,10 +61,7 @@ class ScriptedPolicy:
         self.seeds: list[int | Sequence[int] | None] = []  # the sampling seed(s) of each generate call
 
     def chat_ids(self, messages: Sequence[Message]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False
-        )
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return chat_prompt_ids(self.tokenizer, messages, {})
 
     def generate(
         self,
@@ -220,7 +217,7 @@ def tiny_cfg(tmp_path: Path, *overrides: str) -> Config:
             "train.samples_per_prompt=1",
             "train.drop_truncated=false",
             "train.lr=1e-2",
-            "logging.tensorboard=true",
+            "logging.report_to=[tensorboard]",
             f"run_dir={tmp_path / 'run'}",
             *overrides,
         ],
@@ -321,7 +318,7 @@ TINY = [
     "train.mini_batch_size=1",  # several optimizer steps per agent and step: the schedule and shuffle resume too
     "train.drop_truncated=false",
     "train.lr=1e-2",
-    "logging.tensorboard=false",
+    "logging.report_to=[]",
 ]
 
 

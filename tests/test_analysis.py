@@ -220,7 +220,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cfg = tiny_cfg(tmp, "logging.tensorboard=false")
+        cfg = tiny_cfg(tmp, "logging.report_to=[]")
         (tmp / "run").mkdir()
         (tmp / "run" / "run.json").write_text('{"mappa_run": 1}')  # marked, as `mappa train` marks it
         (tmp / "run" / "config.yaml").write_text(dump_config(cfg))

@@ -12,7 +12,7 @@ import pytest
 from helpers import coach_context as ctx  # the Code Executor's context; kw replace fields
 from pydantic import ValidationError
 
-from mappa.coach import COACHES, build_coach, parse_score, training_score
+from mappa.coach import COACHES, build_coach, parse_score
 from mappa.coach.cache import JudgmentCache, cache_key, context_hash
 from mappa.coach.parse import TokenLogprob, expected_score, parse_answer_correct, rationale_of
 from mappa.coach.prompts import (
@@ -458,13 +458,6 @@ def test_unwritable_cache_is_a_clear_error(tmp_path: Path) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- runner
-def test_training_score_never_invents_by_default() -> None:
-    assert training_score(CoachScore(score=None, error="x")) is None
-    assert training_score(CoachScore(score=None, error="x"), "neutral") == 5.0
-    assert training_score(CoachScore(score=3.0)) == 3.0
-    assert training_score(None) is None
-
-
 def test_runner_rubric_accounting_and_order() -> None:
     runner = build_coach(CoachConfig(backend="rubric"), "mathchat")
     contexts = [ctx(output=" "), ctx(), ctx(**failed("ValueError: bad"))]

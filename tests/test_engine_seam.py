@@ -137,7 +137,7 @@ def cfg(run_dir: Path, steps: int) -> Config:
     return load_config(
         None,
         [f"run_dir={run_dir}", f"train.steps={steps}", "train.prompts_per_step=2", "train.samples_per_prompt=2",
-         "train.eval_every=0", "coach.backend=rubric", "logging.tensorboard=false"],
+         "train.eval_every=0", "coach.backend=rubric", "logging.report_to=[]"],
     )  # fmt: skip
 
 

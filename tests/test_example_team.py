@@ -278,7 +278,7 @@ TINY = [
     "train.samples_per_prompt=1",
     "train.drop_truncated=false",  # 24 tokens of a random model are always cut off
     "eval.max_tasks=2",
-    "logging.tensorboard=false",
+    "logging.report_to=[]",
 ]
 
 

@@ -226,7 +226,7 @@ def test_a_trained_run_exports_with_the_template_variables_it_trained_with(tmp_p
 
     model_dir = save_tiny(tmp_path / "model")
     setting = "generation.chat_template_kwargs.enable_thinking=false"
-    cfg = tiny_cfg(tmp_path, f"model.name={model_dir}", setting, "train.steps=1", "logging.tensorboard=false")
+    cfg = tiny_cfg(tmp_path, f"model.name={model_dir}", setting, "train.steps=1", "logging.report_to=[]")
     run = new_run_dir(cfg)  # config.yaml and run.json, as `mappa train` starts a run
     train(cfg, run)
     tokenizer = tiny_model_and_tokenizer()[1]

@@ -342,7 +342,7 @@ def test_a_training_run_in_a_log_shows_progress_inside_each_step(tmp_path: Path)
         "model.name=tiny-random", "model.lora_r=4", "generation.max_new_tokens=8", "sandbox.pool=false",
         "tasks.arithmetic_train_size=4", "tasks.arithmetic_eval_size=2", "train.prompts_per_step=2",
         "train.samples_per_prompt=1", "train.steps=1", "train.drop_truncated=false", "coach.backend=rewards.py:score",
-        "logging.tensorboard=false", f"run_dir={tmp_path / 'run'}",
+        "logging.report_to=[]", f"run_dir={tmp_path / 'run'}",
     ]  # fmt: skip
     proc = mappa("train", *(a for o in settings for a in ("--set", o)), cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr

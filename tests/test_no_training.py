@@ -67,7 +67,7 @@ def test_trained_nothing_needs_steps_that_trained_nothing() -> None:
 
 
 def run_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], *overrides: str) -> tuple[int, str, Path]:
-    cfg = tiny_cfg(tmp_path, "logging.tensorboard=false", *overrides)
+    cfg = tiny_cfg(tmp_path, "logging.report_to=[]", *overrides)
     path = tmp_path / "config.yaml"
     path.write_text(dump_config(cfg))
     code = main(["train", str(path)])

@@ -41,7 +41,7 @@ TINY = [
     "train.samples_per_prompt=1",
     "train.drop_truncated=false",
     "train.lr=1e-2",
-    "logging.tensorboard=false",
+    "logging.report_to=[]",
 ]
 
 CALLS: list[str] = []

@@ -24,7 +24,7 @@ TINY = [
     "sandbox.pool=false",
     "sandbox.timeout_s=5",
     "tasks.arithmetic_eval_size=3",
-    "logging.tensorboard=false",
+    "logging.report_to=[]",
 ]
 MOVED = "code_executor"  # the agent whose adapter the fixture perturbs before the second checkpoint
 

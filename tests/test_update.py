@@ -221,7 +221,7 @@ def test_shared_weights_train_two_steps_through_the_loop(tmp_path: Path) -> None
     from mappa.policy.policy import Policy
     from mappa.training.trainer import train
 
-    cfg = tiny_cfg(tmp_path, "model.agent_weights=shared", "logging.tensorboard=false")
+    cfg = tiny_cfg(tmp_path, "model.agent_weights=shared", "logging.report_to=[]")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     train(cfg, run_dir)
@@ -244,3 +244,27 @@ def test_shared_weights_train_two_steps_through_the_loop(tmp_path: Path) -> None
     assert any(
         not torch.equal(p, q) for p, q in zip(first, fresh.trainable_parameters(trained.agents[0]), strict=True)
     )
+
+
+def test_each_update_group_whitens_its_own_batch() -> None:
+    """Two groups updated one after the other, as a step does (`apply_update` per group): the solver's update is
+    the same whatever the coder's scores were, while one group holding both batches would have changed it."""
+    cfg = train_cfg(mini_batch_size=8, lr=1e-2)
+    settings = update_settings(cfg, True)
+
+    def solver_after(coder_scores: list[float], pooled: bool = False) -> tuple[float, list[torch.Tensor]]:
+        policy = update_policy()
+        solver, coder = sampled_actions(policy, "solver", 4, seed=1), sampled_actions(policy, "coder", 4, seed=2)
+        scores = [9.0, 1.0, 6.0, 3.0]
+        opt = {a: torch.optim.AdamW(policy.trainable_parameters(a), lr=1e-2) for a in ("solver", "coder")}
+        if pooled:  # the coder's actions whitened with the solver's, in one group
+            stats = update_group(policy, opt["solver"], solver + coder, scores + coder_scores, settings)
+            return stats.advantage_abs, [p.detach().clone() for p in policy.trainable_parameters("solver")]
+        apply_update(policy, opt["coder"], UpdateJob(coder, coder_scores, 0, 1e-2, 0, settings))
+        result = apply_update(policy, opt["solver"], UpdateJob(solver, scores, 0, 1e-2, 0, settings))
+        return result.update.advantage_abs, [p.detach().clone() for p in policy.trainable_parameters("solver")]
+
+    calm, moved = solver_after([5.0, 5.0, 5.0, 5.0]), solver_after([10.0, 0.0, 10.0, 0.0])
+    assert calm[0] == moved[0]
+    assert all(torch.equal(a, b) for a, b in zip(calm[1], moved[1], strict=True))
+    assert solver_after([10.0, 0.0, 10.0, 0.0], pooled=True)[0] != calm[0]

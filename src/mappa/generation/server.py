@@ -36,6 +36,7 @@ import httpx
 from mappa.errors import MappaError
 from mappa.generation.adapters import adapter_name
 from mappa.policy.decoding import check_context
+from mappa.policy.models import chat_prompt_ids
 from mappa.protocols import row_seeds
 from mappa.types import Message
 
@@ -134,11 +135,7 @@ class ServerPolicy:
 
     def chat_ids(self, messages: Sequence[Message]) -> list[int]:
         """Chat-template `messages` and append the assistant generation prompt (as `Policy.chat_ids`)."""
-        text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False,
-            **self.chat_template_kwargs,
-        )  # fmt: skip
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return chat_prompt_ids(self.tokenizer, messages, self.chat_template_kwargs)
 
     def model_name(self, agent: str | None) -> str:
         """The served model a turn of `agent` goes to (None, or no version loaded yet: the base)."""

@@ -37,7 +37,7 @@ from mappa.errors import MappaError
 from mappa.policy import decoding, sampling_copies, storage
 from mappa.policy.decoding import Generation
 from mappa.policy.lora import DEFAULT_TARGET_MODULES, LoraSettings
-from mappa.policy.models import load_base_model, portable_init_kwargs
+from mappa.policy.models import chat_prompt_ids, load_base_model, portable_init_kwargs
 from mappa.policy.storage import Manifest
 from mappa.policy.weights import AdapterWeights, FullWeights
 from mappa.protocols import row_seeds
@@ -258,11 +258,7 @@ class Policy:
     def chat_ids(self, messages: Sequence[Message], template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Chat-template `messages` and append the assistant generation prompt; the template's variables are the
         policy's `chat_template_kwargs`, updated with `template_kwargs` (a served request's own)."""
-        text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False,
-            **{**self.chat_template_kwargs, **(template_kwargs or {})},
-        )  # fmt: skip
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return chat_prompt_ids(self.tokenizer, messages, {**self.chat_template_kwargs, **(template_kwargs or {})})
 
     # ------------------------------------------------------------------------------------------------------------
     # Generation

@@ -27,6 +27,8 @@ from mappa.types import Action, Episode
 
 RewardMode = Literal["coach", "outcome"]
 DROP_REASONS = ("empty", "infra_error", "truncated", "unscored")
+# What an unscored action trains with under `coach.on_unscored: neutral`, an explicit choice, never a default.
+NEUTRAL_SCORE = 5.0
 
 
 def reward_mode(coach_backend: str) -> RewardMode:
@@ -91,7 +93,7 @@ def select_actions(
                 dropped[why] += 1
                 continue
             kept.append(action)
-            kept_scores.append(5.0 if score is None else score)
+            kept_scores.append(NEUTRAL_SCORE if score is None else score)
     return kept, kept_scores, dropped
 
 

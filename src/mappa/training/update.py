@@ -87,9 +87,7 @@ class GroupResult:
 
     actions_trained: int
     dropped: Mapping[str, int]  # actions left out of the update, by reason (`mappa.training.rewards.DROP_REASONS`)
-    reward_mean: (
-        float | None
-    )  # of the trained actions' scores, 0-10 (`mappa.training.rewards`; None: no action trained)
+    reward_mean: float | None  # of the trained actions' scores, 0-10 (`mappa.training.rewards`; None: none trained)
     reward_std: float | None  # their spread (population std): at 0, whitened advantages carry no coach signal
     lr: float  # the group's learning rate after the update
     update: UpdateStats | None = None
