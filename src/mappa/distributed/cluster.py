@@ -24,8 +24,8 @@ from typing import Any
 
 from mappa.config import Config
 from mappa.errors import MappaError
-from mappa.metrics import episode_metrics
 from mappa.protocols import ProgressFn, StatusFn
+from mappa.training.evaluate import eval_metrics
 from mappa.training.update import GroupResult, UpdateJob
 from mappa.types import Episode, Task
 
@@ -296,9 +296,7 @@ class Cluster:
         shares = [s for s in split(tasks, len(self.workers)) if s]
         parts = get([w.evaluate.remote(s) for w, s in zip(self.workers, shares, strict=False)])  # fewer shares: fine
         episodes = [e for part in parts for e in part]
-        metrics = episode_metrics(episodes, self.agents, "eval")
-        metrics.update({"eval/tasks": float(len(tasks)), "eval/seconds": time.perf_counter() - start})
-        return metrics, episodes
+        return eval_metrics(episodes, self.agents, len(tasks), time.perf_counter() - start), episodes
 
     def self_test(self) -> list[str]:
         """The start-up self-test on the first worker: its policy copy, its sandbox and its coach."""

@@ -61,11 +61,17 @@ def evaluate(
         workflow, batch, Runtime(generator, sandbox), sampling=sampling, seed=seed, progress=progress,
         keep_workspaces=cfg.sandbox.keep_workspaces,
     )  # fmt: skip
-    metrics = episode_metrics(episodes, workflow.agents, "eval")
+    return eval_metrics(episodes, workflow.agents, len(tasks), time.perf_counter() - start), episodes
+
+
+def eval_metrics(episodes: Sequence[Episode], agents: Sequence[str], tasks: int, seconds: float) -> dict[str, float]:
+    """An evaluation's metrics: `episode_metrics` under `eval/`, the accuracy's intervals counting tasks, how many
+    tasks and how long. The one place they are put together, in this process or pooled over Ray workers."""
+    metrics = episode_metrics(episodes, agents, "eval")
     metrics.update(accuracy_intervals(episodes))
-    metrics["eval/tasks"] = float(len(tasks))
-    metrics["eval/seconds"] = time.perf_counter() - start
-    return metrics, episodes
+    metrics["eval/tasks"] = float(tasks)
+    metrics["eval/seconds"] = seconds
+    return metrics
 
 
 def accuracy_intervals(episodes: Sequence[Episode]) -> dict[str, float]:
