@@ -9,7 +9,7 @@ STAMP := $(VENV)/.stamp-$(shell cat pyproject.toml requirements.lock | sha1sum |
 AGENTS := .venv-agents
 AGENTS_STAMP := $(AGENTS)/.stamp-$(shell cat requirements-agents.lock | sha1sum | cut -c1-12)
 
-.PHONY: demo test test-all test-slow bench lint format clean venv system fresh models
+.PHONY: demo test test-fast test-all test-slow bench lint format clean venv system fresh models
 
 venv: $(STAMP) $(AGENTS_STAMP) system
 
@@ -63,8 +63,14 @@ demo: venv
 	$(BIN)/mappa train configs/demo.yaml $(ARGS)
 	@$(BIN)/mappa report "$$(dirname "$$(ls -t runs/*/metrics.jsonl | head -1)")"
 
+# Everything but `slow` and `gpu` (pyproject.toml's addopts): the README's command and CI's.
 test: venv
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# The inner loop: the unit tests alone, without the `integration` ones (training runs, CLI subprocesses, the
+# sandbox under attack, the data-science pipeline end to end).
+test-fast: venv
+	$(BIN)/python -m pytest -q -m 'not slow and not gpu and not integration' $(ARGS)
 
 test-all: venv
 	$(BIN)/python -m pytest -q -m ''

@@ -6,7 +6,7 @@ The same recorded MathChat actions as `bench_coach.py` are judged by the `openai
 through `mappa serve`'s app (in-process, on loopback), once with each engine behind the app, `--rounds`
 times in alternation (the best round of each counts, so a burst of load on a shared machine does not
 decide the comparison):
-  - mappa: `mappa.chat_engine.ChatEngine` (the engine `mappa serve` runs);
+  - mappa: `mappa.policy.chat_engine.ChatEngine` (the engine `mappa serve` runs);
   - transformers: the `ContinuousBatchingManager` behind `model.generate_batch` / `transformers serve
     --continuous-batching` (paged KV cache, requests join between steps), behind the same `chat` interface.
 Both decode greedily (coach temperature 0) with the same token cap and return per-token logprobs, so
@@ -28,10 +28,10 @@ from bench_coach import recorded_contexts, timed
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-from mappa.chat_engine import ChatEngine, ChatRequest, load_policy
 from mappa.config import CoachConfig
-from mappa.models import load_base_model
-from mappa.policy import Generation, Policy
+from mappa.policy.chat_engine import ChatEngine, ChatRequest, load_policy
+from mappa.policy.models import load_base_model
+from mappa.policy.policy import Generation, Policy
 from mappa.serving.server import create_app, start_server
 from mappa.types import CoachContext
 

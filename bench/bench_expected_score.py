@@ -18,7 +18,8 @@ on coach replies with token log-probs:
   same tokens (falling back to the sampled one, as the coach does).
 - Draw 0 is greedy (temperature 0, the paper presets' coach): one reward per action, so the only variance is across
   the batch. Draws 1..K sample at `--temperature`: their spread within one action is the coach's noise.
-- Advantages: `mappa.rl.reinforce_pp_advantages` per agent and draw, over all of the agent's actions, with the KL term
+- Advantages: `mappa.training.rl.reinforce_pp_advantages` per agent and draw, over all of the agent's actions, with the
+KL term
   zero (at the first step the policy is its reference), tokens = the action's recorded response length.
 
 Printed per agent, with 95% bootstrap intervals over episodes (resampled whole, whitening redone in each resample):
@@ -57,7 +58,7 @@ from mappa.coach.parse import TokenLogprob, expected_score, parse_score
 from mappa.coach.prompts import draw_fence, fit_prompt, readable_context, template_for
 from mappa.coach.replay import episode_contexts
 from mappa.config import CoachConfig, load_config
-from mappa.rl import reinforce_pp_advantages
+from mappa.training.rl import reinforce_pp_advantages
 from mappa.types import Episode, Message, read_jsonl
 from mappa.workflows import build_workflow
 

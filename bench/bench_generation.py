@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from mappa.models import EMBEDDED_NAME, load_base_model
-from mappa.policy import Generation, Policy
+from mappa.policy.models import EMBEDDED_NAME, load_base_model
+from mappa.policy.policy import Generation, Policy
 from mappa.types import Message
 
 TOPICS = [
@@ -51,7 +51,7 @@ def conversations(n: int, words: int = 0) -> list[list[Message]]:
 
 def decoder_vs_generate(policy: Policy, convs: list[list[Message]], new_tokens: int, rounds: int) -> None:
     """Best-of-`rounds` tokens/s of `Policy.generate` and of the serving decoder on the same batch, alternating."""
-    from mappa.decoder import decoding
+    from mappa.policy.decoder import decoding
 
     prompts = [policy.chat_ids(c) for c in convs]
 

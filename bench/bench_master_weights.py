@@ -3,9 +3,9 @@
     python bench/bench_master_weights.py            # hidden 512, 2 layers (~5M parameters), 2 threads
 
 Arms, each on a full copy per agent of the same random bfloat16 model, one update of 6 actions in 3 optimizer steps
-(`mappa.update.update_group`):
+(`mappa.training.update.update_group`):
 - `bf16 AdamW`: torch's AdamW on the bfloat16 weights, as mappa stepped them before (its moments in bfloat16 too);
-- `fp32 masters`: `mappa.update.MasterAdamW`, what `build_optimizer` picks for weights in a half dtype;
+- `fp32 masters`: `mappa.training.update.MasterAdamW`, what `build_optimizer` picks for weights in a half dtype;
 - `Kahan bf16`: AdamW moments in float32, the bfloat16 weights updated with Kahan summation (a bfloat16
   compensation buffer carries what each step's rounding lost), 2 bytes per weight less than masters.
 
@@ -23,11 +23,11 @@ import time
 import torch
 
 from mappa.config import Config
-from mappa.models import tiny_model_and_tokenizer
-from mappa.policy import Policy
-from mappa.trainer import update_settings
+from mappa.policy.models import tiny_model_and_tokenizer
+from mappa.policy.policy import Policy
+from mappa.training.trainer import update_settings
+from mappa.training.update import MasterAdamW, update_group
 from mappa.types import Action, Message
-from mappa.update import MasterAdamW, update_group
 
 LR, SCORES = 1e-6, [9.0, 1.0, 6.0, 3.0, 10.0, 0.0]
 

@@ -6,7 +6,7 @@ policy, runs one forward pass per agent and reports its resident set size (RSS).
 figures and the ratios (target: 3 LoRA agents <= 1.2x one model). The `full` figure includes the frozen
 reference copy the KL term needs, so it holds 4 copies of the weights.
 
-The heterogeneous team (`model.agent_models`, `mappa.policies`) holds each base once, with its agents' adapters:
+The heterogeneous team (`model.agent_models`, `mappa.policy.team`) holds each base once, with its agents' adapters:
 its RSS is compared with each base's part measured alone, summed, less the one interpreter (python, torch and
 transformers imported, no model) that every process but one adds to the sum. A ratio near 1 says the team costs
 what its bases cost apart, nothing more. Weights load from memory-mapped safetensors, whose pages count only once
@@ -33,9 +33,9 @@ def child(setup: str, second: str) -> None:
     import torch
 
     from mappa.config import ModelConfig
-    from mappa.models import EMBEDDED_NAME, load_base_model
-    from mappa.policies import Policies
-    from mappa.policy import Policy
+    from mappa.policy.models import EMBEDDED_NAME, load_base_model
+    from mappa.policy.policy import Policy
+    from mappa.policy.team import Policies
     from mappa.types import Message
 
     weights = 0
@@ -72,7 +72,7 @@ def measure(setup: str, second: str = SECOND) -> dict[str, float]:
 
 def heterogeneous(second: str) -> None:
     """The team on two bases against its parts (see the module docstring)."""
-    from mappa.models import PACKAGED_MODELS, packaged_model_path
+    from mappa.policy.models import PACKAGED_MODELS, packaged_model_path
 
     if second in PACKAGED_MODELS and not packaged_model_path(second).is_file():
         print(f"heterogeneous team: skipped, {second} is not on this machine (make models)")

@@ -23,7 +23,7 @@ def main() -> None:
 
     tmp = tempfile.mkdtemp(prefix="mappa-bench-cache-")
     os.environ["MAPPA_CACHE"] = tmp
-    from mappa.models import EMBEDDED_NAME, load_base_model
+    from mappa.policy.models import EMBEDDED_NAME, load_base_model
 
     try:
         start = time.perf_counter()

@@ -1,5 +1,5 @@
 """One training step's update phase, a prefill and a few decode steps on a SmolLM2-135M-shaped model: float32
-against CPU bfloat16 autocast (`mappa.precision`), side by side.
+against CPU bfloat16 autocast (`mappa.policy.precision`), side by side.
 
 The model is built from a LlamaConfig of SmolLM2-135M's shape (hidden 576, intermediate 1536, 30 layers, 9 heads,
 3 KV heads, vocabulary 49152, tied embeddings) with random weights, so nothing is downloaded; LoRA r=16 on every
@@ -25,13 +25,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the mappa CLI sets it 
 
 import torch  # noqa: E402
 
-from mappa import precision  # noqa: E402
 from mappa.config import Config  # noqa: E402
-from mappa.decoding import prefill  # noqa: E402
-from mappa.models import tiny_tokenizer  # noqa: E402
-from mappa.policy import Policy  # noqa: E402
+from mappa.policy import precision  # noqa: E402
+from mappa.policy.decoding import prefill  # noqa: E402
+from mappa.policy.models import tiny_tokenizer  # noqa: E402
+from mappa.policy.policy import Policy  # noqa: E402
+from mappa.training.update import UpdateSettings, update_group  # noqa: E402
 from mappa.types import Action, Message  # noqa: E402
-from mappa.update import UpdateSettings, update_group  # noqa: E402
 
 VARIANTS = {"float32": "off", "bf16 autocast": "bf16"}
 

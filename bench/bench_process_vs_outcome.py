@@ -57,7 +57,7 @@ from mappa.analysis.compare import (
 from mappa.analysis.stats import paired_t_power
 from mappa.config import load_config
 from mappa.metrics import answered, correct, wilson_interval
-from mappa.tracking import is_run_dir
+from mappa.training.tracking import is_run_dir
 from mappa.types import Episode, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]

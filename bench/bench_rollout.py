@@ -36,7 +36,12 @@ def one_arm(config: str, episodes: int, seed: int, overrides: list[str]) -> dict
 
     import mappa.workflows as workflows
     from mappa.config import load_config
-    from mappa.rollout import build_kit, pick_tasks, train_tasks
+    from mappa.rollout import build_kit
+
+    try:
+        from mappa.tasks.sampler import pick_tasks, train_tasks
+    except ImportError:  # the lockstep revision kept the task sampler in mappa.rollout
+        from mappa.rollout import pick_tasks, train_tasks
 
     cfg = load_config(config, [*overrides, f"seed={seed}"])
     workflow = workflows.build_workflow(cfg)

@@ -1,5 +1,5 @@
 """Drawing one token per row: `torch.multinomial` (what transformers' generate does) vs mappa's inverse CDF
-(`mappa.decoding._sample`: one float64 uniform per row through the row's CDF), side by side.
+(`mappa.policy.decoding._sample`: one float64 uniform per row through the row's CDF), side by side.
 
 For each batch size: (B, V) float32 logits at the embedded model's vocabulary (49,152) and the spread of a
 135M model's next-token distribution, temperature 0.7, each row with its own seeded generator (as `generate`
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from mappa import decoding
+from mappa.policy import decoding
 
 VOCAB = 49_152
 

@@ -1,4 +1,4 @@
-"""Sampling from LoRA adapters vs from sampling copies (`mappa.sampling_copies`), side by side, embedded model.
+"""Sampling from LoRA adapters vs from sampling copies (`mappa.policy.sampling_copies`), side by side, embedded model.
 
 Three agents with rank-16 adapters (B drawn small so the adapters are not zero) on SmolLM2-135M. For each batch
 size, the same conversations (MathChat-like prompts, `--prompt-repeats` sentences) and the same seed go through
@@ -22,9 +22,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the mappa CLI sets it 
 
 import torch  # noqa: E402
 
-from mappa import precision  # noqa: E402
-from mappa.models import EMBEDDED_NAME, load_base_model  # noqa: E402
-from mappa.policy import Generation, Policy  # noqa: E402
+from mappa.policy import precision  # noqa: E402
+from mappa.policy.models import EMBEDDED_NAME, load_base_model  # noqa: E402
+from mappa.policy.policy import Generation, Policy  # noqa: E402
 from mappa.types import Message  # noqa: E402
 
 AGENTS = ("solver", "coder", "verifier")

@@ -37,10 +37,10 @@ import torch  # noqa: E402
 from mappa.coach import build_coach  # noqa: E402
 from mappa.config import Config, load_config  # noqa: E402
 from mappa.generation import ServerPolicy, publish_adapters  # noqa: E402
-from mappa.policy import Policy  # noqa: E402
+from mappa.policy.policy import Policy  # noqa: E402
 from mappa.protocols import PolicyLike, Runtime  # noqa: E402
-from mappa.rollout import pick_tasks, train_tasks  # noqa: E402
 from mappa.sandbox import Sandbox  # noqa: E402
+from mappa.tasks.sampler import pick_tasks, train_tasks  # noqa: E402
 from mappa.types import Task  # noqa: E402
 from mappa.workflows import build_workflow  # noqa: E402
 

@@ -5,7 +5,7 @@ Both sides train one LoRA adapter (same rank, alpha and target modules) on the e
 
 (a) update phase on one fixed batch of sequences: reference log-probs + loss + backward + grad clip +
     optimizer step. TRL: `_get_per_token_logps_and_entropies` under the disabled adapter, `compute_loss`,
-    backward, AdamW. Ours: `mappa.update.update_group`. Repeats alternate between the two sides so that
+    backward, AdamW. Ours: `mappa.training.update.update_group`. Repeats alternate between the two sides so that
     load from other processes hits both alike.
 (b) a whole step with generation: one TRL step (`trainer.train()` with max_steps 1: generate, reward,
     reference, loss, optimizer step) alternating with one of ours (`Policy.generate` -> reward ->
@@ -26,12 +26,12 @@ import warnings
 import torch
 
 from mappa.config import Config
-from mappa.models import EMBEDDED_NAME, embedded_gguf_path, gguf_cache_path, load_base_model
-from mappa.policy import Policy
+from mappa.policy.models import EMBEDDED_NAME, embedded_gguf_path, gguf_cache_path, load_base_model
+from mappa.policy.policy import Policy
 from mappa.rollout import sample_as_configured
-from mappa.trainer import update_settings
+from mappa.training.trainer import update_settings
+from mappa.training.update import update_group
 from mappa.types import Action, Message
-from mappa.update import update_group
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TOPICS = ["a lighthouse keeper", "the history of bridges", "a city under the sea", "how bread is made", "a robot gardener",

@@ -4,14 +4,14 @@
     python bench/gpu_train_check.py --dry-run        # the same at tiny shapes on a CPU, seconds (the tests run it)
     python bench/gpu_train_check.py --team           # 3 steps of three Qwen3-0.6B-shaped agents (below)
     python bench/gpu_train_check.py --tiny --steps 1 # that team at 2 layers on a CPU
-    python bench/gpu_train_check.py --team --ranks 4 # the team sharded over 4 GPUs (FSDP2, mappa.sharding)
+    python bench/gpu_train_check.py --team --ranks 4 # the team sharded over 4 GPUs (FSDP2, mappa.policy.sharding)
 
 **Presets** (the default). For each paper preset (`PRESETS`: configs/mathchat.yaml, ds_pipeline.yaml,
 mathchat_r1_1p5b.yaml) a model of its `model.name`'s architecture and size (`SHAPES`: layers, widths, heads and
 vocabulary; random weights, nothing downloaded) holds three agents in bfloat16 as one trainer does, and each weight
 mode takes one step: `lora` at the preset's rank and learning rate, `full` as the paper fine-tuned (a copy per
-agent, lr 1e-6, float32 masters: `mappa.update.MasterAdamW`). A step is one agent's: `--batch` responses of up to
-`--tokens` tokens (rollout), then its update on them (`mappa.update.apply_update`), after an untimed warm-up step of
+agent, lr 1e-6, float32 masters: `mappa.training.update.MasterAdamW`). A step is one agent's: `--batch` responses of up to
+`--tokens` tokens (rollout), then its update on them (`mappa.training.update.apply_update`), after an untimed warm-up step of
 2 x 4 tokens (kernel selection, allocations). Before each case the memory it needs is estimated (`memory_estimate`);
 one that would not fit the GPU is not run, and its record says so with the estimate (a full fine-tune of a 4B
 preset needs ~100 GB: more than an 80 GB GPU; docs/models.md). Writes `gpu_train_check.json` under $OUT (or the
@@ -28,7 +28,7 @@ Model FLOPs utilisation (MFU): model FLOPs / (seconds x the device's peak bf16 F
 S tokens (prompt + response), N = the parameters in the layers' matmuls: a forward pass is 2*N*S + attention
 2*layers*heads*head_dim*S^2, plus the LM head on the response tokens. A rollout is one forward pass per sequence
 (prefill and decoding together); an update is the reference forward, the old log-probs' forward (when recomputed:
-`mappa.update.recomputes_old_logprobs`), the training forward and the backward through the activations (one more
+`mappa.training.update.recomputes_old_logprobs`), the training forward and the backward through the activations (one more
 pass), plus, for full weights, the weight gradients (2*N*S and the LM head's). Recomputation from gradient
 checkpointing is not counted (hardware, not model, FLOPs). Peak: looked up from the device name (H100/H200 989,
 A100 312 TFLOP/s), or --peak-tflops; on a CPU without it MFU is not reported.
@@ -46,13 +46,13 @@ from pathlib import Path
 
 import torch
 
-from mappa import sharding
 from mappa.config import Config, load_config
-from mappa.models import tiny_tokenizer
-from mappa.policy import Policy
-from mappa.trainer import update_settings
+from mappa.policy import sharding
+from mappa.policy.models import tiny_tokenizer
+from mappa.policy.policy import Policy
+from mappa.training.trainer import update_settings
+from mappa.training.update import UpdateJob, apply_update, build_optimizer, recomputes_old_logprobs
 from mappa.types import Action, Message
-from mappa.update import UpdateJob, apply_update, build_optimizer, recomputes_old_logprobs
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ("mathchat", "ds_pipeline", "mathchat_r1_1p5b")  # configs/<name>.yaml: the paper's systems

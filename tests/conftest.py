@@ -67,3 +67,23 @@ def ws():
     path = new_workspace()
     yield path
     remove_workspace(path)
+
+
+# --- the data-science pipeline on a tiny benchmark (test_ds_pipeline.py, test_redteam_dsbench.py, ...) ---------------
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: pytest.TempPathFactory):
+    """Two train tasks and one eval task in the mini-DSBench's layout, written once per module."""
+    from helpers import write_bench
+
+    return write_bench(tmp_path_factory.mktemp("dsbench"))
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    """The warm pool, at the default memory limit, shared by a module's tests."""
+    from mappa.config import SandboxConfig
+    from mappa.sandbox import Sandbox
+
+    box = Sandbox(SandboxConfig(timeout_s=60, concurrency=2))
+    yield box
+    box.close()

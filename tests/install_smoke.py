@@ -40,9 +40,9 @@ def import_all() -> tuple[list[str], dict[str, str]]:
 def tiny_model_round_trip() -> None:
     import torch
 
-    from mappa.decoder import decoding
-    from mappa.models import tiny_model_and_tokenizer
-    from mappa.policy import Policy
+    from mappa.policy.decoder import decoding
+    from mappa.policy.models import tiny_model_and_tokenizer
+    from mappa.policy.policy import Policy
     from mappa.types import Message
 
     torch.set_num_threads(1)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from alarm_sim import AGENTS, SimRun, ar1, simulate
-from test_analysis import make_episode
+from helpers import make_episode
 
 from mappa.analysis.bias import bias_monitor, bias_rows
 from mappa.analysis.hacking import Trend, check_arrays, hacking_checks
@@ -19,6 +19,8 @@ from mappa.analysis.runs import load_run
 from mappa.analysis.stats import clustered_contrast, excludes_zero, serial_trend, trend_through_points
 from mappa.config import AnalysisConfig, Config, dump_config
 from mappa.types import Episode, write_jsonl
+
+pytestmark = pytest.mark.integration
 
 TH = AnalysisConfig()
 RUNS = 200

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import re
 import shutil
 from pathlib import Path
 
 import pytest
-from test_cli import mappa, one_line_error
+from helpers import MATHCHAT_AGENTS, TH, act, make_episode, mappa, one_line_error, synthetic, write_run
 
 from mappa.analysis.bias import bias_monitor, coach_vs_truth
 from mappa.analysis.blame import blame, blame_table, failure_kind
@@ -20,58 +19,12 @@ from mappa.analysis.hacking import hacking_checks
 from mappa.analysis.report import SECTIONS, build_report, write_report
 from mappa.analysis.runs import load_run
 from mappa.analysis.sections import Plots, specialisation
-from mappa.config import AnalysisConfig, Config, dump_config
+from mappa.config import AnalysisConfig, dump_config
 from mappa.errors import MappaError
-from mappa.metrics import episode_metrics, linear_trend, mean_interval
-from mappa.types import Action, CoachScore, Episode, ExecResult, Message, Task, write_jsonl
+from mappa.metrics import linear_trend, mean_interval
+from mappa.types import ExecResult
 
-AGENTS = ("problem_solver", "code_executor", "verifier")
-TH = AnalysisConfig()
-
-
-def act(agent: str, score: float | None, turn: int = 0, result: ExecResult | None = None, verdict=None) -> Action:
-    return Action(
-        agent=agent, turn=turn, messages=(Message(role="user", content="q"),), text=f"{agent} says 7",
-        prompt_ids=(1, 2), response_ids=(3, 4, 5), exec_result=result,
-        coach=CoachScore(score=score, rationale=f"{agent} judged {score}", answer_correct=verdict),
-    )  # fmt: skip
-
-
-def make_episode(i: int, step: int, correct: bool, scores: tuple[float, float, float], source: str = "a",
-                 level: int = 1, result: ExecResult | None = None, answer: str | None = "7") -> Episode:  # fmt: skip
-    task = Task(id=f"{source}-{i}", problem="p", answer="7", source=source, meta={"level": level})
-    actions = (
-        act(AGENTS[0], scores[0]),
-        act(AGENTS[1], scores[1], result=result or ExecResult(ok=True, exit_code=0, stdout="7")),
-        act(AGENTS[2], scores[2]),
-    )
-    return Episode(
-        id=f"e{step}-{i}", workflow="mathchat", task=task, actions=actions, final_answer=answer, correct=correct,
-        meta={"step": step},
-    )  # fmt: skip
-
-
-def clamp(x: float) -> float:
-    return max(0.0, min(10.0, x))
-
-
-def synthetic(seed: int = 0, steps: int = 6, per_step: int = 30, bias: float = 0.0, drift: float = 0.0,
-              coder_rise: float = 0.0, accuracy_rise: float = 0.0) -> list[Episode]:  # fmt: skip
-    """Episodes whose truth is known: the verifier's score follows the outcome (8 right, 2 wrong) plus noise,
-    plus `bias` on source "b" (and `drift` * step/steps on it); the coder's score rises by `coder_rise` per step;
-    accuracy is 0.4 (+ `accuracy_rise` per step)."""
-    rng = random.Random(seed)
-    out = []
-    for step in range(1, steps + 1):
-        for i in range(per_step):
-            source = "abc"[i % 3]
-            correct = rng.random() < 0.4 + accuracy_rise * step
-            extra = (bias + drift * step / steps) if source == "b" else 0.0
-            verifier = clamp((8.0 if correct else 2.0) + rng.gauss(0, 1) + extra)
-            coder = clamp(3.0 + coder_rise * step + rng.gauss(0, 1))
-            solver = clamp(5.0 + rng.gauss(0, 1))
-            out.append(make_episode(i, step, correct, (solver, coder, verifier), source, level=1 + i % 2))
-    return out
+pytestmark = pytest.mark.integration
 
 
 # ---------------------------------------------------------------------------------------------------- statistics
@@ -121,7 +74,7 @@ def test_coach_vs_truth_counts_the_confusion_table() -> None:
 
 # ---------------------------------------------------------------------------------------------------- hacking
 def test_rising_scores_with_flat_accuracy_raise_the_hacking_alarm() -> None:
-    checks = {c.agent: c for c in hacking_checks(synthetic(coder_rise=0.8), AGENTS, TH)}
+    checks = {c.agent: c for c in hacking_checks(synthetic(coder_rise=0.8), MATHCHAT_AGENTS, TH)}
     assert checks["code_executor"].alarm and "scores rose" in checks["code_executor"].alarm
     assert checks["code_executor"].score[1][0] > 0 and checks["code_executor"].excess[1][0] > 0
     assert checks["problem_solver"].alarm is None and checks["verifier"].alarm is None
@@ -129,12 +82,12 @@ def test_rising_scores_with_flat_accuracy_raise_the_hacking_alarm() -> None:
 
 def test_flat_scores_or_scores_rising_with_accuracy_raise_no_alarm() -> None:
     for eps in (synthetic(), synthetic(accuracy_rise=0.08)):
-        assert not [c for c in hacking_checks(eps, AGENTS, TH) if c.alarm]
+        assert not [c for c in hacking_checks(eps, MATHCHAT_AGENTS, TH) if c.alarm]
 
 
 def test_the_hacking_alarm_names_episodes_that_show_it() -> None:
     eps = synthetic(coder_rise=1.0)
-    check = next(c for c in hacking_checks(eps, AGENTS, TH) if c.agent == "code_executor")
+    check = next(c for c in hacking_checks(eps, MATHCHAT_AGENTS, TH) if c.agent == "code_executor")
     by_id = {e.id: e for e in eps}
     assert check.examples and all(by_id[i].correct is False and s >= TH.high_score for i, _, s in check.examples)
 
@@ -178,72 +131,6 @@ def test_failure_kinds(result: ExecResult | None, meta: dict, answer: str | None
 
 
 # ---------------------------------------------------------------------------------------------------- run dirs
-def write_run(path: Path, episodes: list[Episode], *, evals: bool = True, probes: bool = True, **cfg_update) -> Path:
-    """A run directory in the trainer's formats (config.yaml, episodes/metrics JSONL, eval/, probe.jsonl)."""
-    path.mkdir(parents=True)
-    (path / "run.json").write_text('{"mappa_run": 1}')  # marked, as mappa marks each run it makes
-    cfg = Config(name=path.name, **cfg_update)
-    (path / "config.yaml").write_text(dump_config(cfg))
-    write_jsonl(path / "episodes.jsonl", episodes)
-    steps = sorted({e.meta["step"] for e in episodes})
-    with (path / "metrics.jsonl").open("w") as f:
-        for s in steps:
-            m = episode_metrics([e for e in episodes if e.meta["step"] == s], AGENTS, "train")
-            m.update(
-                {"time/rollout_s": 1.0, "time/update_s": 2.0, "coach/judgments": 90.0 * s, "coach/calls": 90.0 * s}
-            )
-            m.update({f"agent/{a}/dropped_truncated": float(s % 2) for a in AGENTS})
-            f.write(json.dumps({"step": s, **{k: v for k, v in m.items() if v == v}}) + "\n")
-    if evals:
-        for tag, step in (("start", 0), ("final", steps[-1])):
-            eps = [e.model_copy(update={"meta": {}}) for e in episodes if e.meta["step"] == steps[-1 if step else 0]]
-            write_jsonl(path / "eval" / f"{tag}.jsonl", eps)
-            with (path / "eval" / "summary.jsonl").open("a") as f:
-                f.write(json.dumps({"tag": tag, "step": step, "eval/accuracy": 0.4}) + "\n")
-    if probes:
-        rows = [
-            {
-                "step": 0,
-                "checkpoint": "base",
-                "agent": "base",
-                "probe": "general_nll",
-                "role": None,
-                "value": 3.0,
-                "n": 8,
-            }
-        ]
-        for s in (2, 4):
-            for i, a in enumerate(AGENTS):
-                rows += [
-                    {
-                        "step": s,
-                        "checkpoint": f"step-{s:06d}",
-                        "agent": a,
-                        "probe": "kl_base",
-                        "role": None,
-                        "value": 0.01 * s * (i + 1),
-                        "n": 8,
-                    },
-                    {
-                        "step": s,
-                        "checkpoint": f"step-{s:06d}",
-                        "agent": a,
-                        "probe": "general_nll",
-                        "role": None,
-                        "value": 3.0 + 0.01 * s,
-                        "n": 8,
-                    },
-                ]
-                rows += [
-                    {"step": s, "checkpoint": f"step-{s:06d}", "agent": a, "probe": "role_nll", "role": r, "value": 2.0 - 0.1 * (a == r), "n": 8}
-                    for r in AGENTS
-                ]  # fmt: skip
-        rows += [
-            {"step": 0, "checkpoint": "base", "agent": "base", "probe": "role_nll", "role": r, "value": 2.0, "n": 8}
-            for r in AGENTS
-        ]
-        (path / "probe.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def test_report_of_a_synthetic_run_has_every_section_and_the_alarms(tmp_path: Path) -> None:
@@ -325,15 +212,15 @@ def test_compare_pairs_runs_that_evaluated_the_same_tasks(tmp_path: Path) -> Non
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real 2-step training run of a tiny random model (rubric coach, real sandbox), trained once."""
     import torch
-    from test_train_smoke import tiny_cfg
+    from helpers import tiny_cfg
 
-    from mappa.trainer import train
+    from mappa.training.trainer import train
 
     tmp = tmp_path_factory.mktemp("tiny")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cfg = tiny_cfg(tmp, "logging.tensorboard=false")
+        cfg = tiny_cfg(tmp, "logging.report_to=[]")
         (tmp / "run").mkdir()
         (tmp / "run" / "run.json").write_text('{"mappa_run": 1}')  # marked, as `mappa train` marks it
         (tmp / "run" / "config.yaml").write_text(dump_config(cfg))

@@ -7,22 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, mappa, one_line_error
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def mappa(*args: str, cwd: Path = ROOT, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "mappa.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout
-    )
-
-
-def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
-    assert proc.returncode == 2, proc.stderr
-    lines = [x for x in proc.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1, proc.stderr  # no traceback
-    assert lines[0].startswith("mappa: error: ")
-    return lines[0]
+pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize("command", [[], ["train"], ["eval"], ["trace"]])
@@ -86,7 +73,7 @@ def tree(path: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize("checkpointed", [True, False], ids=["checkpointed", "killed-before-a-checkpoint"])
 def test_train_refuses_to_overwrite_a_run(tmp_path: Path, checkpointed: bool) -> None:
     from mappa.config import load_config
-    from mappa.tracking import new_run_dir
+    from mappa.training.tracking import new_run_dir
 
     run_dir = new_run_dir(load_config(None, [f"run_dir={tmp_path / 'run'}"]))
     if checkpointed:
@@ -251,9 +238,9 @@ def test_the_step_table_says_its_agent_columns_are_mean_coach_scores() -> None:
 
     from mappa.cli.train import Printer
     from mappa.config import Config
-    from mappa.tracking import StepResult
-    from mappa.trainer import Event
-    from mappa.update import GroupResult, UpdateStats
+    from mappa.training.tracking import StepResult
+    from mappa.training.trainer import Event
+    from mappa.training.update import GroupResult, UpdateStats
 
     out = StringIO()
     printer = Printer(Console(file=out, width=200), Config())

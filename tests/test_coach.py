@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import get_args
 
 import pytest
-from fakes import coach_context as ctx  # the Code Executor's context; kw replace fields
+from helpers import coach_context as ctx  # the Code Executor's context; kw replace fields
 from pydantic import ValidationError
 
-from mappa.coach import COACHES, build_coach, parse_score, training_score
+from mappa.coach import COACHES, build_coach, parse_score
 from mappa.coach.cache import JudgmentCache, cache_key, context_hash
 from mappa.coach.parse import TokenLogprob, expected_score, parse_answer_correct, rationale_of
 from mappa.coach.prompts import (
@@ -309,7 +309,7 @@ def test_fit_prompt_gives_up_below_the_smallest_field_and_on_a_budget_under_the_
 
 
 def test_token_counter_prefers_a_local_tokenizer_and_falls_back_to_bytes(tmp_path: Path) -> None:
-    from mappa.models import tiny_tokenizer
+    from mappa.policy.models import tiny_tokenizer
 
     tiny_tokenizer().save_pretrained(tmp_path / "tok")
     messages = [{"role": "user", "content": "hello world " * 50}]
@@ -435,6 +435,7 @@ def _writer(path: str, worker: int, n: int) -> None:
     cache.close()
 
 
+@pytest.mark.integration  # processes racing on one SQLite file: tens of seconds
 def test_cache_is_safe_under_concurrent_writers(tmp_path: Path) -> None:
     path = str(tmp_path / "shared.sqlite")
     JudgmentCache(path).close()  # create the schema once, as the first run would
@@ -457,13 +458,6 @@ def test_unwritable_cache_is_a_clear_error(tmp_path: Path) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- runner
-def test_training_score_never_invents_by_default() -> None:
-    assert training_score(CoachScore(score=None, error="x")) is None
-    assert training_score(CoachScore(score=None, error="x"), "neutral") == 5.0
-    assert training_score(CoachScore(score=3.0)) == 3.0
-    assert training_score(None) is None
-
-
 def test_runner_rubric_accounting_and_order() -> None:
     runner = build_coach(CoachConfig(backend="rubric"), "mathchat")
     contexts = [ctx(output=" "), ctx(), ctx(**failed("ValueError: bad"))]
@@ -490,8 +484,8 @@ def test_build_coach_errors() -> None:
 def test_the_local_coach_asks_a_cut_reply_again_with_more_room(tmp_path: Path) -> None:
     """The tiny random model never stops by itself: every reply hits its cap (thinking budget + max_tokens), is asked
     again with twice the reply's room in a call of its own, and stays unscored, counted in coach/cut_rate."""
-    from mappa.models import tiny_model_and_tokenizer
-    from mappa.policy import Policy
+    from mappa.policy.models import tiny_model_and_tokenizer
+    from mappa.policy.policy import Policy
 
     model, tokenizer = tiny_model_and_tokenizer()
     policy = Policy.from_model(model, tokenizer, ["code_executor"])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import free_port
 
 from mappa.coach import build_coach
 from mappa.coach.prompts import TEMPLATES, fit_prompt, follow_up_message
@@ -26,13 +26,9 @@ from mappa.config import CoachConfig, GenerationConfig
 from mappa.types import Action, CoachContext, Episode, ExecResult, Message, Task, read_jsonl, write_jsonl
 from mappa.workflows.mathchat import CODER, SOLVER, VERIFIER, MathChat
 
+pytestmark = pytest.mark.integration
+
 GEN = GenerationConfig(max_new_tokens=64)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -238,8 +234,8 @@ def test_coach_score_command_errors(tmp_path: Path) -> None:
 
 
 def test_local_coach_on_a_tiny_model(tmp_path: Path) -> None:
-    from mappa.models import tiny_model_and_tokenizer
-    from mappa.policy import Policy
+    from mappa.policy.models import tiny_model_and_tokenizer
+    from mappa.policy.policy import Policy
 
     model, tokenizer = tiny_model_and_tokenizer()
     policy = Policy.from_model(model, tokenizer, ["problem_solver", "code_executor", "verifier"])
@@ -264,8 +260,8 @@ def test_local_coach_on_a_tiny_model(tmp_path: Path) -> None:
 
 def test_local_coach_fits_long_evidence_to_its_budget(tmp_path: Path) -> None:
     """Counted with the coach model's own tokenizer and chat template: the prompt it decodes fits exactly."""
-    from mappa.models import tiny_model_and_tokenizer
-    from mappa.policy import Policy
+    from mappa.policy.models import tiny_model_and_tokenizer
+    from mappa.policy.policy import Policy
 
     model, tokenizer = tiny_model_and_tokenizer()
     policy = Policy.from_model(model, tokenizer, ["verifier"])
@@ -296,7 +292,7 @@ def test_embedded_model_served_and_coaching(tmp_path: Path) -> None:
     the openai coach completes every judgment (scored, or unscored after the follow-up; never a failure)."""
     import openai
 
-    from mappa.chat_engine import load_policy
+    from mappa.policy.chat_engine import load_policy
     from mappa.serving.server import create_app, start_server
 
     policy = load_policy("smollm2-135m-instruct")

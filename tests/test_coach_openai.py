@@ -10,15 +10,12 @@ from __future__ import annotations
 import json
 import math
 import socket
-import threading
 import time
-from collections import defaultdict
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from fakes import coach_context
+from helpers import OK, FaultServer, coach_context, reply, status
 
 from mappa.coach import build_coach
 from mappa.coach.openai_backend import OpenAICoach, retry_after_s
@@ -26,126 +23,12 @@ from mappa.config import CoachConfig
 from mappa.errors import MappaError
 from mappa.types import CoachContext, Message
 
-
-def reply(
-    text: str, logprobs: list[dict] | None = None, prompt_tokens: int = 100, completion_tokens: int = 20
-) -> dict:
-    return {"kind": "reply", "text": text, "logprobs": logprobs, "usage": (prompt_tokens, completion_tokens)}
-
-
-OK = reply("ANALYSIS: the code ran and printed the answer.\nPROCESS_SCORE: 7")
-
-
-class FaultServer:
-    def __init__(self, plan: dict[str, list[dict]]) -> None:
-        self.plan = plan
-        self.attempts: dict[str, int] = defaultdict(int)
-        self.requests: list[dict] = []
-        self.in_flight = 0
-        self.max_in_flight = 0
-        self.lock = threading.Lock()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                for k, v in (headers or {}).items():
-                    self.send_header(k, v)
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                text = json.dumps(body["messages"])
-                case = text.split("CASE=")[1].split(" ")[0].split("\\")[0] if "CASE=" in text else "default"
-                with server.lock:
-                    server.requests.append(body)
-                    n = server.attempts[case]
-                    server.attempts[case] += 1
-                    server.in_flight += 1
-                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
-                steps = server.plan.get(case) or server.plan.get("default", [OK])
-                step = steps[min(n, len(steps) - 1)]
-                try:
-                    self.respond(step, body)
-                finally:
-                    with server.lock:
-                        server.in_flight -= 1
-
-            def respond(self, step: dict, body: dict) -> None:
-                kind = step["kind"]
-                if kind == "status":
-                    err = {"error": {"message": step.get("message", "boom"), "type": "x", "code": None}}
-                    self._send(step["status"], json.dumps(err).encode(), step.get("headers"))
-                elif kind == "hang":
-                    time.sleep(step["seconds"])
-                    self._send(200, json.dumps(completion(OK, body)).encode())
-                elif kind == "garbage":
-                    self._send(200, b"<html>502 bad gateway</html>{{{")
-                elif kind == "delay":
-                    time.sleep(step["seconds"])
-                    self._send(200, json.dumps(completion(OK, body)).encode())
-                elif kind == "no_logprobs" and body.get("logprobs"):
-                    err = {"error": {"message": "logprobs are not supported", "type": "invalid_request_error"}}
-                    self._send(400, json.dumps(err).encode())
-                elif kind == "think":
-                    self._send(200, json.dumps(completion(thinking_reply(step, body), body)).encode())
-                else:
-                    self._send(200, json.dumps(completion(step if kind == "reply" else OK, body)).encode())
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+pytestmark = pytest.mark.integration
 
 
 def thinking(tokens: int, text: str = "The code ran and printed 5.\nPROCESS_SCORE: 7") -> dict:
     """A thinking model: it spends `tokens` on thinking inside the request's cap, then writes `text` (a token a word)."""
     return {"kind": "think", "thinking": tokens, "text": text}
-
-
-def thinking_reply(step: dict, body: dict) -> dict:
-    # The cap counts thinking and the written reply together, as OpenAI's max_completion_tokens and Gemini's
-    # max_tokens do; what is left after thinking is the reply's room, and a reply over it is cut.
-    cap = body.get("max_completion_tokens") or body.get("max_tokens")
-    words = step["text"].split(" ")
-    room = max(0, cap - step["thinking"])
-    cut = room < len(words)
-    text = " ".join(words[:room])
-    return {
-        **reply(text, completion_tokens=min(cap, step["thinking"] + len(words))),
-        "finish": "length" if cut else "stop",
-    }
-
-
-def completion(step: dict, body: dict) -> dict:
-    p, c = step["usage"]
-    message = {"role": "assistant", "content": step["text"]}
-    choice = {"index": 0, "message": message, "finish_reason": step.get("finish", "stop")}
-    if step.get("logprobs") is not None and body.get("logprobs"):
-        choice["logprobs"] = {"content": step["logprobs"], "refusal": None}
-    return {
-        "id": "chatcmpl-1",
-        "object": "chat.completion",
-        "created": 1,
-        "model": body["model"],
-        "choices": [choice],
-        "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
-    }
-
-
-def status(code: int, headers: dict[str, str] | None = None, message: str = "boom") -> dict:
-    return {"kind": "status", "status": code, "headers": headers, "message": message}
 
 
 def ctx(case: str, **kw) -> CoachContext:

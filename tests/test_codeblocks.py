@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mappa.sandbox.codeblocks import extract_code_blocks, format_observation
 from mappa.types import ExecResult
+from mappa.workflows.codeblocks import extract_code_blocks, format_observation
 
 FENCE = "```"
 

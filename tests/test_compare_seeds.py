@@ -9,13 +9,14 @@ import math
 from pathlib import Path
 
 import pytest
-from test_analysis import make_episode, write_run
-from test_cli import mappa
+from helpers import make_episode, mappa, write_run
 
 from mappa.analysis.compare import coach_label, compare_arms, compare_runs, group_arms, seed_gain
 from mappa.analysis.runs import RunData, load_run
 from mappa.analysis.sections import Plots, comparison
 from mappa.analysis.stats import paired_t_power, t_interval, welch_interval
+
+pytestmark = pytest.mark.integration
 
 TASKS = 40
 

@@ -8,14 +8,14 @@ import inspect
 import pytest
 import torch
 import transformers
-from test_policy import convs, make_policy, perturb  # the same tiny policy and conversations
+from helpers import convs, make_policy, perturb  # the same tiny policy and conversations
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from mappa.decoder import decoding
 from mappa.errors import MappaError
-from mappa.kvcache import BufferedLayer, stitchable
-from mappa.policy import Generation
-from mappa.prefix_cache import PrefixCache
+from mappa.policy.decoder import decoding
+from mappa.policy.kvcache import BufferedLayer, stitchable
+from mappa.policy.policy import Generation
+from mappa.policy.prefix_cache import PrefixCache
 from mappa.types import Message
 
 PIN = "transformers==5.23.0 (requirements.lock)"
@@ -165,12 +165,12 @@ def test_a_prompt_extending_a_cached_one_prefills_only_the_new_tokens():
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# the transformers internals that mappa.kvcache relies on
+# the transformers internals that mappa.policy.kvcache relies on
 
 
 def test_transformers_is_the_version_the_buffered_layer_was_written_against():
     assert transformers.__version__ == "5.23.0", (
-        f"transformers {transformers.__version__} is installed, but mappa/kvcache.py subclasses DynamicLayer "
+        f"transformers {transformers.__version__} is installed, but mappa/policy/kvcache.py subclasses DynamicLayer "
         f"as of {PIN}: check BufferedLayer against the new DynamicLayer/DynamicCache (the tests below name what "
         "it uses), then move the pin and this check together"
     )

@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from test_resume import TINY as RESUME_TINY
-from test_resume import kill_at_checkpoint
+from helpers import TINY as RESUME_TINY
+from helpers import kill_at_checkpoint
 
-from mappa.checkpoint import latest_checkpoint
 from mappa.config import Config, load_config
 from mappa.distributed import placement
 from mappa.distributed.cluster import merge_counts, split
 from mappa.errors import MappaError
-from mappa.tracking import read_metrics
+from mappa.training.checkpoint import latest_checkpoint
+from mappa.training.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [  # the resume tests' tiny run (several optimizer steps per agent and step) on 2 workers and 3 trainers
@@ -34,7 +34,7 @@ TINY = [  # the resume tests' tiny run (several optimizer steps per agent and st
     "ray.trainer_cpus=0.25",
 ]
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def ray_cluster() -> str:
 @pytest.fixture(scope="module")
 def ray_run(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """2 steps of the tiny config on the module's cluster: 2 rollout workers, one trainer actor per agent."""
-    from mappa.trainer import train
+    from mappa.training.trainer import train
 
     run_dir = tmp_path_factory.mktemp("ray") / "run"
     events = []
@@ -90,13 +90,13 @@ def test_merge_counts_sums_and_recomputes_rates() -> None:
 
 
 def test_local_mode_does_not_import_ray() -> None:
-    code = "import sys, mappa.trainer, mappa.cli.train; sys.exit('ray' in sys.modules)"
+    code = "import sys, mappa.training.trainer, mappa.cli.train; sys.exit('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=120).returncode == 0
 
 
 def test_ray_run_has_the_local_runs_files_and_metric_names(ray_run: Path, tmp_path: Path) -> None:
-    from mappa.policy import Policy
-    from mappa.trainer import train
+    from mappa.policy.policy import Policy
+    from mappa.training.trainer import train
 
     local = tmp_path / "local"
     train(tiny(local), local)
@@ -145,8 +145,8 @@ def test_sharded_trainers_take_the_unsharded_steps_and_resume(ray_cluster: str, 
     """`train.fsdp_ranks=2`: each agent's trainer is 2 actors that shard its weights (FSDP2 over gloo), 6 in all.
     The run has the unsharded Ray run's files and metric names and ends with its weights; resumed from its own
     checkpoint (the ranks reload weights and AdamW state into their shards), it trains on."""
-    from mappa.policy import Policy
-    from mappa.trainer import train
+    from mappa.policy.policy import Policy
+    from mappa.training.trainer import train
 
     run_dir, sharded = tmp_path / "sharded", ["train.fsdp_ranks=2", "ray.trainer_cpus=0.125"]
     train(tiny(run_dir, *sharded), run_dir, place=placement("local"))
@@ -200,7 +200,7 @@ def _end_session(proc: subprocess.Popen) -> None:
 def test_sigkill_mid_run_then_resume_on_ray(ray_cluster: str, ray_run: Path, tmp_path: Path) -> None:
     """`mappa train --ray local` killed during step 2 (its Ray processes go with it), resumed on a running cluster
     (`--ray ADDRESS`): each step logged once, and the weights end equal to the uninterrupted Ray run's."""
-    from mappa.policy import Policy
+    from mappa.policy.policy import Policy
 
     run_dir = tmp_path / "killed"
     sets = [a for o in [*TINY, f"run_dir={run_dir}"] for a in ("--set", o)]

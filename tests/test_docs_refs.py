@@ -97,7 +97,11 @@ def test_method_md_has_numbered_sections() -> None:
 def test_every_method_md_citation_names_an_existing_section() -> None:
     cited = all_citations()
     # The parser must find the citations the sources are known to hold, not silently nothing.
-    assert {f for f, _, _ in cited} >= {"src/mappa/rl.py", "src/mappa/rewards.py", "docs/workflows.md"}
+    assert {f for f, _, _ in cited} >= {
+        "src/mappa/training/rl.py",
+        "src/mappa/training/rewards.py",
+        "docs/workflows.md",
+    }
     assert dangling(cited, method_sections(METHOD.read_text(encoding="utf-8"))) == []
 
 

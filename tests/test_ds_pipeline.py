@@ -8,122 +8,43 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pytest
-from fakes import Reply, ScriptedPolicy, play_scripted
+from helpers import (
+    FORGETFUL_ENGINEER,
+    ScriptedPolicy,
+    fenced,
+    play,
+    play_scripted,
+    reference_team,
+)
 
 from mappa.coach.caps import apply_caps, score_cap
 from mappa.coach.prompts import DS_PIPELINE, build_messages
 from mappa.coach.replay import episode_contexts
 from mappa.coach.rubric import rubric_score
-from mappa.config import GenerationConfig, SandboxConfig, WorkflowConfig, load_config
+from mappa.config import WorkflowConfig, load_config
 from mappa.errors import MappaError
 from mappa.metrics import episode_metrics
-from mappa.rollout import pick_tasks
-from mappa.sandbox import Sandbox, remove_workspace
+from mappa.sandbox import remove_workspace
 from mappa.tasks.dsbench.reference import reference_snippets
-from mappa.tasks.tabular import TASK_FILES, load_dsbench, score_submission
-from mappa.types import CoachContext, CoachScore, Episode, Message, Task, read_jsonl, write_jsonl
+from mappa.tasks.sampler import pick_tasks
+from mappa.tasks.tabular import TASK_FILES, load_dsbench
+from mappa.types import CoachContext, CoachScore, Episode, Task, read_jsonl, write_jsonl
 from mappa.workflows import WORKFLOWS, DsPipeline
+
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------------------------------ a tiny benchmark
-def _table(kind: str, n: int, rng: np.random.Generator) -> pd.DataFrame:
-    x1, x2 = rng.normal(size=n).round(3), rng.uniform(0, 10, size=n).round(2)
-    plan = rng.choice(["basic", "plus", "pro"], size=n)
-    effect = pd.Series(plan).map({"basic": -1.0, "plus": 0.0, "pro": 1.5}).to_numpy()
-    if kind == "classification":
-        p = 1 / (1 + np.exp(-(2 * x1 + effect)))
-        y = (rng.uniform(size=n) < p).astype(int)
-    else:
-        y = (50 + 12 * x1 + 3 * x2 + 10 * effect + rng.normal(scale=4, size=n)).round(2)
-    return pd.DataFrame({"tenure": x1, "usage": x2, "plan": plan, "target": y})
-
-
-def _write_task(root: Path, task_id: str, kind: str, metric: str, seed: int) -> dict:
-    """One task as the builder writes it: train/test/sample/description in tasks/<id>, answers apart."""
-    from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor
-
-    frame = _table(kind, 240, np.random.default_rng(seed))
-    frame.insert(0, "id", range(1, len(frame) + 1))
-    train, test = frame.iloc[:170], frame.iloc[170:]
-    task_dir, answer_dir = root / "tasks" / task_id, root / "answers" / task_id
-    task_dir.mkdir(parents=True)
-    answer_dir.mkdir(parents=True)
-    train.to_csv(task_dir / "train.csv", index=False)
-    test.drop(columns=["target"]).to_csv(task_dir / "test.csv", index=False)
-    test[["id", "target"]].to_csv(answer_dir / "test_answer.csv", index=False)
-    trivial = round(float(train["target"].mean()), 6)
-    pd.DataFrame({"id": test["id"], "target": trivial}).to_csv(task_dir / "sample_submission.csv", index=False)
-    what = "the probability that target is 1" if metric == "roc_auc" else "target"
-    (task_dir / "description.txt").write_text(
-        f"# {task_id}\nPredict `target` for each row of test.csv. Columns: id, tenure, usage, plan (text), target.\n"
-        f"Metric: {metric}. Submission: a CSV with columns id,target where target is {what}.\n",
-        encoding="utf-8",
-    )
-    model = HistGradientBoostingClassifier if kind == "classification" else HistGradientBoostingRegressor
-    features = pd.get_dummies(frame.drop(columns=["id", "target"]), dtype=float)
-    fitted = model(random_state=0).fit(features.iloc[:170], train["target"])
-    row = {"id": task_id, "split": "", "data_type": kind, "metric": metric, "target": "target", "id_column": "id"}
-    row.update(source="test:generated", baseline_score=0.0, reference_score=0.0, title=task_id)
-    row.update(n_train=len(train), n_test=len(test), n_features=3)
-    task = Task(id=task_id, problem="", answer="", source="dsbench", meta={**row, "task_dir": str(task_dir),
-                "answer_path": str(answer_dir / "test_answer.csv")})  # fmt: skip
-    row["baseline_score"] = score_submission(task, task_dir / "sample_submission.csv").score
-    pred = (
-        fitted.predict_proba(features.iloc[170:])[:, 1] if metric == "roc_auc" else fitted.predict(features.iloc[170:])
-    )
-    reference = task_dir.parent.parent / f"{task_id}-reference.csv"
-    pd.DataFrame({"id": test["id"], "target": pred}).to_csv(reference, index=False)
-    row["reference_score"] = score_submission(task, reference).score
-    reference.unlink()
-    return row
-
-
-@pytest.fixture(scope="module")
-def bench(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("dsbench")
-    rows = [
-        {**_write_task(root, "toy_churn", "classification", "roc_auc", 1), "split": "train"},
-        {**_write_task(root, "toy_prices", "regression", "rmse", 2), "split": "train"},
-        {**_write_task(root, "toy_churn_eval", "classification", "roc_auc", 3), "split": "eval"},
-    ]
-    (root / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return root
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    box = Sandbox(SandboxConfig(timeout_s=60, concurrency=2))  # the warm pool, at the default memory limit
-    yield box
-    box.close()
 
 
 # ------------------------------------------------------------------------------------------------ a scripted team
-def fenced(code: str, note: str = "") -> str:
-    return f"{note}\n```python\n{code}\n```"
-
-
-def team(tasks: Sequence[Task], script: Callable[[Task, str, int], str]) -> Reply:
-    """A reply per (task, agent, turn): the task is recognised by its description in the first user turn."""
-
-    def reply(agent: str | None, conv: Sequence[Message]) -> str:
-        first = next(m for m in conv if m.role == "user")  # after the system prompt, or alone (the paper's)
-        task = next(t for t in tasks if t.problem.strip() in first.content)
-        return script(task, str(agent), sum(m.role == "user" for m in conv) - 1)
-
-    return reply
-
-
-def reference_team(task: Task, agent: str, turn: int) -> str:
-    note = "<think>secret plan: try everything</think>I prepared the data." if agent == "data_engineer" else ""
-    return fenced(reference_snippets(task)[agent], note) if turn == 0 else "Done."
 
 
 class RecordingScorer:
@@ -135,18 +56,6 @@ class RecordingScorer:
     def __call__(self, contexts: Sequence[CoachContext]) -> list[CoachScore]:
         self.contexts.extend(contexts)
         return [rubric_score(c) for c in contexts]
-
-
-GEN = GenerationConfig(max_new_tokens=2048, max_context_tokens=8192, batch_size=8)
-
-
-def play(tasks, script, sandbox, *, turns: int = 2, keep: bool = False, scorer=None, **settings) -> list[Episode]:  # type: ignore[no-untyped-def]
-    """`settings`: further `WorkflowConfig` fields (prompts, ds_stop_when_done, ds_caps, show_coach_feedback)."""
-    cfg = WorkflowConfig(name="ds_pipeline", ds_max_turns=turns, **settings)
-    wf = DsPipeline(cfg, SandboxConfig(keep_workspaces=keep))
-    return play_scripted(
-        wf, tasks, ScriptedPolicy(team(tasks, script)), sandbox, scorer, gen=GEN, keep_workspaces=keep
-    )
 
 
 def by_agent(episode: Episode, agent: str) -> list:
@@ -208,19 +117,6 @@ def test_no_answer_ever_reaches_a_workspace(bench: Path, sandbox) -> None:
         }
     finally:
         remove_workspace(workspace, force=True)
-
-
-FORGETFUL_ENGINEER = """\
-import pickle
-import pandas as pd
-train = pd.read_csv("train.csv")
-y_train = train.pop("target")
-X_train = pd.get_dummies(train.drop(columns=["id"]), dtype=float)
-for name, obj in [("X_train", X_train), ("y_train", y_train)]:
-    with open(name + ".pkl", "wb") as f:
-        pickle.dump(obj, f)
-print("X_train", X_train.shape)
-"""
 
 
 def test_a_forgotten_x_test_is_blamed_on_the_data_engineer_not_the_modeler(bench: Path, sandbox) -> None:
@@ -408,7 +304,7 @@ def test_the_workflow_and_presets_are_registered() -> None:
 
 
 def test_train_one_step_on_tabular_tasks_with_a_tiny_model(bench: Path, tmp_path: Path, one_torch_thread) -> None:
-    from mappa.trainer import train
+    from mappa.training.trainer import train
 
     run_dir = tmp_path / "run"
     cfg = load_config(

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from mappa.chat_engine import ChatEngine, ChatRequest
 from mappa.errors import MappaError
-from mappa.models import tiny_model_and_tokenizer
-from mappa.policy import Policy
+from mappa.policy.chat_engine import ChatEngine, ChatRequest
+from mappa.policy.models import tiny_model_and_tokenizer
+from mappa.policy.policy import Policy
 from mappa.types import Message
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -1,7 +1,8 @@
 """The training loop depends only on the `Engine` protocol: a scripted engine (episodes and updates written in this
-file, one real weight tensor, a real optimizer, checkpoints through `mappa.checkpoint`) drives `mappa.trainer.train`
-from start to final evaluation, and a run stopped after step 2 and resumed ends exactly where an uninterrupted one
-does. The engines of the package (`LocalEngine`, the Ray `Cluster`) have the protocol's methods and arguments."""
+file, one real weight tensor, a real optimizer, checkpoints through `mappa.training.checkpoint`) drives
+`mappa.training.trainer.train` from start to final evaluation, and a run stopped after step 2 and resumed ends exactly
+where an uninterrupted one does. The engines of the package (`LocalEngine`, the Ray `Cluster`) have the protocol's
+methods and arguments."""
 
 from __future__ import annotations
 
@@ -16,23 +17,23 @@ from typing import Any
 import pytest
 import torch
 
-from mappa.checkpoint import latest_checkpoint, restore_run, save_checkpoint
 from mappa.config import Config, load_config
 from mappa.distributed.cluster import Cluster
-from mappa.engine import LocalEngine
 from mappa.metrics import episode_metrics
 from mappa.protocols import Engine, ProgressFn, StatusFn
-from mappa.tracking import read_metrics
-from mappa.trainer import Event, Parts, Run, train
+from mappa.training.checkpoint import latest_checkpoint, restore_run, save_checkpoint
+from mappa.training.engine import LocalEngine
+from mappa.training.tracking import read_metrics
+from mappa.training.trainer import Event, Parts, Run, train
+from mappa.training.update import GroupResult, UpdateJob, UpdateStats
 from mappa.types import Action, CoachScore, Episode, Message, Task
-from mappa.update import GroupResult, UpdateJob, UpdateStats
 
 TASKS = [Task(id=f"t{i}", problem=f"{i} + 1?", answer=str(i + 1), source="scripted") for i in range(6)]
 HELD_OUT = [Task(id=f"e{i}", problem=f"{i} + 2?", answer=str(i + 2), source="scripted") for i in range(3)]
 
 
 class Weights:
-    """A one-tensor "policy": what `mappa.checkpoint` needs of one (`save`, `load_weights`)."""
+    """A one-tensor "policy": what `mappa.training.checkpoint` needs of one (`save`, `load_weights`)."""
 
     def __init__(self) -> None:
         self.w = torch.nn.Parameter(torch.zeros(1))
@@ -136,7 +137,7 @@ def cfg(run_dir: Path, steps: int) -> Config:
     return load_config(
         None,
         [f"run_dir={run_dir}", f"train.steps={steps}", "train.prompts_per_step=2", "train.samples_per_prompt=2",
-         "train.eval_every=0", "coach.backend=rubric", "logging.tensorboard=false"],
+         "train.eval_every=0", "coach.backend=rubric", "logging.report_to=[]"],
     )  # fmt: skip
 
 
@@ -192,7 +193,7 @@ def test_a_resume_through_the_protocol_is_exact(tmp_path: Path) -> None:
 
 def test_the_update_is_told_what_the_engine_says_of_its_generation(tmp_path: Path) -> None:
     """Whether the actions' log-probs are the training forward pass's is asked of the engine (its generators), and
-    every group's job carries the answer: the one rule in `mappa.update` decides the recompute from it."""
+    every group's job carries the answer: the one rule in `mappa.training.update` decides the recompute from it."""
     log: list[str] = []
     run(tmp_path / "run", 1, log, samples_exactly=False)
     assert {x for x in log if x.startswith("exact")} == {"exact False"}

@@ -11,14 +11,14 @@ import torch
 from mappa.cli.evaluate import eval_command
 from mappa.config import dump_config, load_config
 from mappa.errors import MappaError
-from mappa.evaluate import eval_gain
+from mappa.training.evaluate import eval_gain
 from mappa.types import Episode, Task, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_eval_command_on_a_saved_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from mappa.policy import Policy
+    from mappa.policy.policy import Policy
     from mappa.workflows import build_workflow
 
     cfg = load_config(
@@ -88,7 +88,7 @@ GREEDY = [
 def test_eval_command_plays_the_checkpoints_weights(tmp_path: Path) -> None:
     """A checkpoint whose problem_solver adapter differs from the base: greedy evaluation must play that adapter
     (each solver text is what the perturbed policy writes for the same messages, not what the base writes)."""
-    from mappa.policy import Policy
+    from mappa.policy.policy import Policy
     from mappa.types import read_jsonl
     from mappa.workflows import build_workflow
 
@@ -124,12 +124,12 @@ def test_eval_accuracy_is_the_mean_of_the_written_correct_flags(tmp_path: Path) 
     exactly those verdicts, and `eval/accuracy` is their mean."""
     import re
 
-    from fakes import ScriptedPolicy
+    from helpers import ScriptedPolicy
 
     from mappa.config import SandboxConfig
-    from mappa.evaluate import evaluate, write_eval
     from mappa.generation import PolicyGenerator
     from mappa.sandbox import Sandbox
+    from mappa.training.evaluate import evaluate, write_eval
     from mappa.types import read_jsonl
     from mappa.workflows import build_workflow
 
@@ -163,7 +163,7 @@ def _no_manifest(policy: Path) -> None:
 def _other_agents(policy: Path) -> None:
     import shutil
 
-    from mappa.policy import Policy
+    from mappa.policy.policy import Policy
 
     shutil.rmtree(policy)
     Policy.from_config(load_config(None, GREEDY).model, ["analyst", "critic"], seed=0).save(policy)
@@ -182,7 +182,7 @@ def test_eval_of_a_damaged_checkpoint_is_one_line_and_writes_nothing(
     harm, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:  # fmt: skip
     from mappa.cli import main
-    from mappa.policy import Policy
+    from mappa.policy.policy import Policy
     from mappa.workflows import build_workflow
 
     cfg = load_config(None, GREEDY)

@@ -14,17 +14,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
-from fakes import play_scripted
+from helpers import play_scripted
 
 import mappa
 from mappa.config import GenerationConfig, SandboxConfig, WorkflowConfig, load_config
 from mappa.errors import MappaError
-from mappa.models import tiny_tokenizer
 from mappa.plugins import load_object
-from mappa.policy import Generation
+from mappa.policy.models import tiny_tokenizer
+from mappa.policy.policy import Generation
 from mappa.sandbox import Sandbox
 from mappa.tasks.sources import load_jsonl
 from mappa.types import Action, CoachContext, CoachScore, Episode, ExecResult, Message, Task, read_jsonl
+
+pytestmark = pytest.mark.integration
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "coder_review"
 # imported the way `workflow.name: team.py:CoderReviewer` and `coach.backend: rewards.py:score` import them
@@ -39,7 +41,7 @@ Reply = Callable[[str | None, Sequence[Message]], str]
 
 
 class ScriptedPolicy:
-    """The `chat_ids`/`generate` surface of mappa.policy.Policy; replies come from a script, not a model."""
+    """The `chat_ids`/`generate` surface of mappa.policy.policy.Policy; replies come from a script, not a model."""
 
     def __init__(self, reply: Reply) -> None:
         self.tokenizer = tiny_tokenizer()
@@ -276,7 +278,7 @@ TINY = [
     "train.samples_per_prompt=1",
     "train.drop_truncated=false",  # 24 tokens of a random model are always cut off
     "eval.max_tasks=2",
-    "logging.tensorboard=false",
+    "logging.report_to=[]",
 ]
 
 

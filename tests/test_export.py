@@ -14,20 +14,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mappa.checkpoint import save_checkpoint
 from mappa.cli import main
 from mappa.config import dump_config, load_config
-from mappa.evaluate import write_eval
 from mappa.export import export_run, gain_lines, vllm_lora_rank
-from mappa.models import EMBEDDED_HUB_ID, tiny_model_and_tokenizer
-from mappa.policy import Policy
+from mappa.policy.models import EMBEDDED_HUB_ID, tiny_model_and_tokenizer
+from mappa.policy.policy import Policy
+from mappa.training.checkpoint import save_checkpoint
+from mappa.training.evaluate import write_eval
 from mappa.types import Episode, Message, Task
 from mappa.workflows import build_workflow
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = [Message(role="user", content="What is 17 * 23?")]
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def make_run(run: Path, *overrides: str, steps: tuple[int, ...] = (3,)) -> Policy:
@@ -216,18 +216,17 @@ def test_push_to_hub_without_a_login_fails_before_any_work(lora_run: tuple[Path,
 
 
 def test_a_trained_run_exports_with_the_template_variables_it_trained_with(tmp_path: Path) -> None:
-    """`mappa.trainer.train` on a saved tiny model whose template reads enable_thinking: every trained prompt has the
-    template's no-thinking block, and the export's card and serve line carry the setting."""
-    from test_model_options import save_tiny
-    from test_train_smoke import tiny_cfg
+    """`mappa.training.trainer.train` on a saved tiny model whose template reads enable_thinking: every trained prompt
+    has the template's no-thinking block, and the export's card and serve line carry the setting."""
+    from helpers import save_tiny, tiny_cfg
 
-    from mappa.tracking import new_run_dir
-    from mappa.trainer import train
+    from mappa.training.tracking import new_run_dir
+    from mappa.training.trainer import train
     from mappa.types import Episode, read_jsonl
 
     model_dir = save_tiny(tmp_path / "model")
     setting = "generation.chat_template_kwargs.enable_thinking=false"
-    cfg = tiny_cfg(tmp_path, f"model.name={model_dir}", setting, "train.steps=1", "logging.tensorboard=false")
+    cfg = tiny_cfg(tmp_path, f"model.name={model_dir}", setting, "train.steps=1", "logging.report_to=[]")
     run = new_run_dir(cfg)  # config.yaml and run.json, as `mappa train` starts a run
     train(cfg, run)
     tokenizer = tiny_model_and_tokenizer()[1]

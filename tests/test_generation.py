@@ -18,21 +18,21 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from test_resume import TINY, kill_at_checkpoint  # TINY: 2 tasks a step, several optimizer steps per agent
+from helpers import TINY, kill_at_checkpoint  # TINY: 2 tasks a step, several optimizer steps per agent
 
-from mappa.checkpoint import latest_checkpoint
 from mappa.config import load_config
 from mappa.errors import MappaError
 from mappa.generation import LocalGenerator, ServerGenerator, ServerPolicy, build_generator, publish_adapters
 from mappa.generation.server import response_token_ids
-from mappa.policy import Policy
+from mappa.policy.policy import Policy
+from mappa.training.checkpoint import latest_checkpoint
 from mappa.types import Message
 
 ROOT = Path(__file__).resolve().parents[1]
 HELLO = [Message(role="user", content="Say something about numbers.")]
 OTHER = [Message(role="system", content="Be brief."), Message(role="user", content="What is 2 + 3?")]
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def _env() -> dict[str, str]:
@@ -268,7 +268,7 @@ def test_kill_and_resume_with_the_server_backend(server: str, tmp_path: Path) ->
 def test_served_logprobs_are_those_of_the_sampling_temperature(server: str) -> None:
     """`mappa serve` reports the log-probs of the distribution it sampled from (as vLLM with
     `--logprobs-mode processed_logprobs`), and the trainer's recompute at that temperature matches them."""
-    from mappa.rl import logprob_gap
+    from mappa.training.rl import logprob_gap
     from mappa.types import Action
 
     policy = tiny_policy(["solver"])

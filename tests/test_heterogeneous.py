@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_resume import TINY
+from helpers import TINY
 
 from mappa.config import load_config
 from mappa.errors import MappaError
@@ -38,7 +38,7 @@ def _chat_ids(tokenizer, messages) -> list[int]:  # noqa: ANN001
 
 # ------------------------------------------------------------------------------------------------ config and build
 def test_agents_are_grouped_by_base_and_what_a_team_cannot_hold_is_one_line() -> None:
-    from mappa.policies import team_bases
+    from mappa.policy.team import team_bases
 
     cfg = _cfg()
     assert team_bases(cfg.model, AGENTS) == {"tiny-random": ["problem_solver", "code_executor"],
@@ -68,7 +68,7 @@ def test_a_generation_server_serves_one_base_and_says_so() -> None:
 def test_each_agent_samples_from_its_own_base_through_the_one_generator() -> None:
     import asyncio
 
-    from mappa.models import load_base_model
+    from mappa.policy.models import load_base_model
     from mappa.protocols import SamplingSettings
     from mappa.rollout import build_kit
 
@@ -120,15 +120,15 @@ def team_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _weights(policy_dir: Path) -> dict[str, list[torch.Tensor]]:
-    from mappa.policies import Policies
+    from mappa.policy.team import Policies
 
     policies = Policies.from_checkpoint(policy_dir, device="cpu")
     return {a: [p.detach().clone() for p in policies[a].trainable_parameters(a)] for a in policies.agents}
 
 
 def test_a_two_base_team_trains_on_its_own_tokens_and_evaluates(team_run: Path) -> None:
-    from mappa.models import load_base_model
-    from mappa.tracking import read_metrics
+    from mappa.policy.models import load_base_model
+    from mappa.training.tracking import read_metrics
 
     tokenizers = {
         "tiny-random": load_base_model("tiny-random")[1],
@@ -159,8 +159,8 @@ def test_a_two_base_team_trains_on_its_own_tokens_and_evaluates(team_run: Path) 
     initial = _weights(team_run / "checkpoints" / "step-000001" / "policy")
     trained = _weights(policy)
     assert any(not torch.equal(p, q) for p, q in zip(initial["verifier"], trained["verifier"], strict=True))
-    from mappa.evaluate import eval_tasks, evaluate
     from mappa.rollout import build_kit
+    from mappa.training.evaluate import eval_tasks, evaluate
     from mappa.workflows import build_workflow
 
     cfg = load_config(None, [*TINY, "tasks.arithmetic_eval_size=1"])  # the checkpoint names its bases itself
@@ -193,7 +193,7 @@ def test_a_two_base_team_resumes_exactly(team_run: Path, tmp_path: Path) -> None
 def test_export_probe_and_serve_refuse_a_team_checkpoint_in_one_line(team_run: Path, tmp_path: Path) -> None:
     from mappa.analysis.probe import probe_run
     from mappa.export import export_run
-    from mappa.policy import Policy
+    from mappa.policy.policy import Policy
 
     one_line = r"^[^\n]*2 base models \(tiny-random: problem_solver, code_executor; tiny-random-2: verifier\)[^\n]*$"
     with pytest.raises(MappaError, match=one_line):
@@ -211,7 +211,7 @@ def test_export_probe_and_serve_refuse_a_team_checkpoint_in_one_line(team_run: P
 
 # ------------------------------------------------------------------------------------------------ the file format
 def test_one_base_keeps_its_layout_and_the_format_version_is_checked(tmp_path: Path) -> None:
-    from mappa.policies import Policies
+    from mappa.policy.team import Policies
 
     cfg = load_config(None, TINY)
     policies = Policies.from_config(cfg.model, AGENTS, seed=cfg.seed)
@@ -240,8 +240,8 @@ def test_a_two_base_team_on_ray_trains_on_each_base_and_resumes_exactly(tmp_path
     from its step-1 checkpoint ends where the uninterrupted one does."""
     ray = pytest.importorskip("ray")
     from mappa.distributed import placement
-    from mappa.policies import Policies
-    from mappa.trainer import train
+    from mappa.policy.team import Policies
+    from mappa.training.trainer import train
 
     (tmp_path / "rewards.py").write_text("def score(ctx):\n    return float(len(ctx.output) % 11)\n")  # as `spread`
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"

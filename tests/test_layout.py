@@ -17,32 +17,35 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 MAX_FUNCTION_LINES = 80
 # Modules on the training path: `mappa train` must not pay for (or depend on) the inference server.
-TRAINING_PATH = ["mappa.trainer", "mappa.policy", "mappa.rl", "mappa.rollout", "mappa.evaluate", "mappa.workflows"]
+TRAINING_PATH = [
+    "mappa.training.trainer", "mappa.policy.policy", "mappa.training.rl", "mappa.rollout", "mappa.training.evaluate",
+    "mappa.workflows",
+]  # fmt: skip
 
 # The layers, lowest first: a module may import its own layer and those below, never one above. An entry names a
-# module and everything inside it (`mappa.coach` holds `mappa.coach.judge`), or is a pattern (`mappa.engine*`);
-# the longest entry that matches wins, so a submodule can sit above its package. "mappa" is the package's
-# __init__ alone.
+# module and everything inside it (`mappa.coach` holds `mappa.coach.judge`), or is a pattern (`mappa.training.*`);
+# the longest entry that matches wins, so a submodule can sit above (or below) its package. "mappa" is the
+# package's __init__ alone. The `policy` and `training` packages import nothing in their __init__, so their light
+# modules (the RL math, the rewards, the autocast) sit in the base layer.
 LAYERS: dict[str, list[str]] = {
     "base": [
         "mappa.errors", "mappa.types", "mappa.paths", "mappa.protocols", "mappa.plugins", "mappa.config",
-        "mappa.config_rollout", "mappa.config_training", "mappa.rl", "mappa.metrics", "mappa.rewards", "mappa.precision",
-        "mappa.beneath", "mappa.progress",
+        "mappa.config_rollout", "mappa.config_training", "mappa.metrics", "mappa.beneath", "mappa.progress",
+        "mappa.training", "mappa.training.rl", "mappa.training.rewards", "mappa.policy.precision",
     ],
-    # one layer: tasks.dsbench and tasks.tabular run reference solutions in the sandbox, while
-    # sandbox.codeblocks reads answers with tasks.answers
+    # one layer: tasks.dsbench and tasks.tabular run reference solutions in the sandbox
     "tasks and sandbox": ["mappa.tasks", "mappa.sandbox"],
-    "models": [
-        "mappa.models", "mappa.policy", "mappa.policies", "mappa.sharding", "mappa.decoding", "mappa.kvcache", "mappa.lora", "mappa.policy_files",
-        "mappa.sampling_copies", "mappa.agent_weights", "mappa.decoder", "mappa.prefix_cache", "mappa.chat_engine",
-    ],
-    "coach": ["mappa.coach"],
+    "policy": ["mappa.policy"],
     "generation": ["mappa.generation"],
     "workflows": ["mappa.workflows"],
-    "update": ["mappa.update"],
-    # coach.replay rebuilds the coach's contexts with the episode's workflow, so it sits above workflows
-    "rollout and evaluation": ["mappa.rollout", "mappa.evaluate", "mappa.selftest", "mappa.coach.replay"],
-    "trainer": ["mappa.trainer", "mappa.engine*", "mappa.checkpoint", "mappa.tracking"],
+    # the coach scores what a workflow did: the rubric reads code with the workflows' fence rules, and replay
+    # rebuilds the coach's contexts with the episode's workflow
+    "coach": ["mappa.coach"],
+    "update": ["mappa.training.update"],
+    "rollout and evaluation": ["mappa.rollout", "mappa.training.evaluate", "mappa.training.selftest"],
+    "trainer": [
+        "mappa.training.trainer", "mappa.training.engine", "mappa.training.checkpoint", "mappa.training.tracking",
+    ],
     "distributed": ["mappa.distributed"],
     "api": ["mappa", "mappa.api", "mappa.export"],
     "analysis": ["mappa.analysis", "mappa.trace"],
@@ -192,13 +195,15 @@ def test_no_module_imports_a_higher_layer():
 
 
 def test_rl_imports_nothing_of_the_package():
-    assert _graph()["mappa.rl"] == set()
+    assert _graph()["mappa.training.rl"] == set()
 
 
 def test_update_never_imports_generation():
     """The update is told what it needs (`UpdateSettings`); where the actions were generated is its caller's."""
-    found = sorted(m for m in _reachable(_graph(), "mappa.update") if m.split(".")[:2] == ["mappa", "generation"])
-    assert found == [], f"mappa.update reaches {found}"
+    found = sorted(
+        m for m in _reachable(_graph(), "mappa.training.update") if m.split(".")[:2] == ["mappa", "generation"]
+    )
+    assert found == [], f"mappa.training.update reaches {found}"
 
 
 def test_no_import_cycles():

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import coach_context as ctx  # the Code Executor's context; kw replace fields
+from helpers import coach_context as ctx  # the Code Executor's context; kw replace fields
 
 from mappa.coach import build_coach
 from mappa.coach.logprob_judge import VALUES, VerdictTokens, read_verdicts, value_distribution, verdict_tokens
 from mappa.config import CoachConfig, load_config
 from mappa.errors import MappaError
-from mappa.models import tiny_model_and_tokenizer
-from mappa.policy import Policy
+from mappa.policy.models import tiny_model_and_tokenizer
+from mappa.policy.policy import Policy
 from mappa.types import Message
 
 # The coach's prompts are longer than the tiny model's nominal context (1024) in its byte-level tokens; its rotary
@@ -190,7 +190,7 @@ def test_the_judge_setting_is_checked() -> None:
 def test_qwen_half_b_reads_a_verdict(tmp_path: Path) -> None:
     """Qwen2.5-Coder-0.5B-Instruct (`make models`): its tokenizer writes 10 as "1" "0" (the probe path); every
     judgment a distribution, most of the next token's mass on the values, the final agent's answer read too."""
-    from mappa.models import PACKAGED_MODELS, packaged_model_path
+    from mappa.policy.models import PACKAGED_MODELS, packaged_model_path
 
     name = "qwen2.5-coder-0.5b-instruct"
     path = packaged_model_path(name)

@@ -15,16 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_sharding import free_port
-from test_train_smoke import AGENTS, make_policy, sampled_actions, train_cfg
+from helpers import AGENTS, free_port, sampled_actions, train_cfg, update_policy
 
-from mappa import sharding
-from mappa.checkpoint import load_checkpoint, save_checkpoint
 from mappa.config import Config
-from mappa.policy import Policy
-from mappa.trainer import update_settings
+from mappa.policy import sharding
+from mappa.policy.policy import Policy
+from mappa.training.checkpoint import load_checkpoint, save_checkpoint
+from mappa.training.trainer import update_settings
+from mappa.training.update import build_optimizer, update_group
 from mappa.types import Action
-from mappa.update import build_optimizer, update_group
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -35,7 +34,7 @@ CFG = train_cfg(lr=LR, mini_batch_size=2, micro_batch_size=1)  # 6 actions: 3 op
 
 
 def bf16_policy(agent_weights: str) -> Policy:
-    from mappa.models import tiny_model_and_tokenizer
+    from mappa.policy.models import tiny_model_and_tokenizer
 
     model, tok = tiny_model_and_tokenizer(seed=0)
     return Policy.from_model(
@@ -44,7 +43,7 @@ def bf16_policy(agent_weights: str) -> Policy:
 
 
 def actions() -> list[Action]:
-    return sampled_actions(make_policy(), "solver", len(SCORES), seed=11)
+    return sampled_actions(update_policy(), "solver", len(SCORES), seed=11)
 
 
 def train(policy: Policy, optimizer: torch.optim.Optimizer, batch: list[Action], cfg: Config = CFG) -> None:

@@ -13,13 +13,14 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from helpers import save_tiny
 
-from mappa.chat_engine import load_policy
 from mappa.config import ModelConfig, load_config
 from mappa.errors import MappaError
 from mappa.generation import ServerPolicy, build_generator, publish_adapters
-from mappa.models import EMBEDDED_HUB_ID, EMBEDDED_NAME, load_base_model, public_name, tiny_model_and_tokenizer
-from mappa.policy import Policy
+from mappa.policy.chat_engine import load_policy
+from mappa.policy.models import EMBEDDED_HUB_ID, EMBEDDED_NAME, load_base_model, public_name, tiny_model_and_tokenizer
+from mappa.policy.policy import Policy
 from mappa.serving.server import create_app, start_server
 from mappa.types import Message
 
@@ -27,24 +28,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # ChatML whose generation prompt branches on a template variable, as Qwen3's does: an empty think block when
 # enable_thinking is false.
-THINK_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
-    "{% endif %}"
-)
 CHAT = [Message(role="user", content="What is 2 + 3?")]
 NO_THINKING = {"enable_thinking": False}
-
-
-def save_tiny(directory: Path, seed: int = 0) -> Path:
-    model, tokenizer = tiny_model_and_tokenizer(seed=seed)
-    tokenizer.chat_template = THINK_TEMPLATE
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
 
 
 @pytest.fixture(scope="module")

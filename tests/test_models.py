@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mappa.errors import MappaError
-from mappa.models import (
+from mappa.policy.models import (
     EMBEDDED_NAME,
     PACKAGED_MODELS,
     PackagedModel,
@@ -162,7 +162,7 @@ def test_embedded_gguf_is_found_without_importing_its_package():
 
 @pytest.mark.slow
 def test_embedded_model_cold_load_caches_a_plain_model_and_generates(tmp_path, cache):
-    from mappa.policy import Policy
+    from mappa.policy.policy import Policy
     from mappa.types import Message
 
     start = time.perf_counter()
@@ -347,7 +347,7 @@ def test_a_packaged_name_resolves_to_its_file_only_when_fetched_and_verified(tmp
 
 @pytest.mark.slow  # ~1 min the first time (dequantizing), ~6 GB
 def test_the_packaged_qwen_coder_loads_as_a_qwen2_with_its_own_lm_head_and_answers():
-    from mappa.policy import Policy
+    from mappa.policy.policy import Policy
     from mappa.types import Message
 
     name = "qwen2.5-coder-0.5b-instruct"

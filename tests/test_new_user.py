@@ -24,8 +24,8 @@ from mappa.coach import build_coach
 from mappa.config import CoachConfig, load_config
 from mappa.errors import MappaError
 from mappa.plugins import coach_kind, load_object, qualified_name
-from mappa.selftest import check_coach
-from mappa.trainer import Event, Parts
+from mappa.training.selftest import check_coach
+from mappa.training.trainer import Event, Parts
 from mappa.types import Action, CoachContext, Episode, Message, Task, read_jsonl, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -342,7 +342,7 @@ def test_a_training_run_in_a_log_shows_progress_inside_each_step(tmp_path: Path)
         "model.name=tiny-random", "model.lora_r=4", "generation.max_new_tokens=8", "sandbox.pool=false",
         "tasks.arithmetic_train_size=4", "tasks.arithmetic_eval_size=2", "train.prompts_per_step=2",
         "train.samples_per_prompt=1", "train.steps=1", "train.drop_truncated=false", "coach.backend=rewards.py:score",
-        "logging.tensorboard=false", f"run_dir={tmp_path / 'run'}",
+        "logging.report_to=[]", f"run_dir={tmp_path / 'run'}",
     ]  # fmt: skip
     proc = mappa("train", *(a for o in settings for a in ("--set", o)), cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr

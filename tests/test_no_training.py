@@ -7,15 +7,15 @@ import json
 from pathlib import Path
 
 import pytest
-from test_train_smoke import tiny_cfg
+from helpers import tiny_cfg
 
 from mappa.analysis.behaviour import untrained_lines
 from mappa.analysis.report import build_report
 from mappa.analysis.runs import load_run
 from mappa.cli import main
 from mappa.config import dump_config
-from mappa.rewards import DROP_REASONS, no_training_reason, untrained_groups
-from mappa.trainer import TrainResult
+from mappa.training.rewards import DROP_REASONS, no_training_reason, untrained_groups
+from mappa.training.trainer import TrainResult
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -67,7 +67,7 @@ def test_trained_nothing_needs_steps_that_trained_nothing() -> None:
 
 
 def run_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], *overrides: str) -> tuple[int, str, Path]:
-    cfg = tiny_cfg(tmp_path, "logging.tensorboard=false", *overrides)
+    cfg = tiny_cfg(tmp_path, "logging.report_to=[]", *overrides)
     path = tmp_path / "config.yaml"
     path.write_text(dump_config(cfg))
     code = main(["train", str(path)])

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import FORGETFUL_ENGINEER, fenced, play, reference_team
 from rich.console import Console
-from test_ds_pipeline import FORGETFUL_ENGINEER, bench, fenced, play, reference_team, sandbox  # noqa: F401
 
 from mappa.cli.evaluate import tabular_table
 from mappa.metrics import episode_metrics, paper_means

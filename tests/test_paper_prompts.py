@@ -6,8 +6,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from fakes import ScriptedPolicy
-from test_workflows import GEN, RecordingSandbox, ScriptedScorer, py, script, task
+from helpers import GEN, RecordingSandbox, ScriptedPolicy, ScriptedScorer, py, script, task
 
 from mappa.config import SandboxConfig, WorkflowConfig
 from mappa.generation import PolicyGenerator

@@ -21,8 +21,8 @@ from mappa.coach.plugin import FunctionCoach
 from mappa.config import CoachConfig, load_config
 from mappa.errors import MappaError
 from mappa.plugins import anchor, coach_kind, is_import_path, load_object
-from mappa.rewards import per_action_scores
 from mappa.tasks import load_tasks
+from mappa.training.rewards import per_action_scores
 from mappa.types import Action, CoachContext, CoachScore, Episode, Message, Task
 from mappa.workflows import build_workflow
 
@@ -41,7 +41,7 @@ TINY = [
     "train.samples_per_prompt=1",
     "train.drop_truncated=false",
     "train.lr=1e-2",
-    "logging.tensorboard=false",
+    "logging.report_to=[]",
 ]
 
 CALLS: list[str] = []
@@ -303,3 +303,22 @@ def test_a_loader_plugin_is_resolved_from_a_file(tmp_path: Path) -> None:
     (tmp_path / "data.py").write_text("def load(split, seed):\n    return []\n")
     fn = load_object(f"{tmp_path}/data.py:load", "tasks.train")
     assert fn("train", 0) == [] and load_object(f"{tmp_path}/data.py:load", "tasks.train") is fn
+
+
+def test_a_plugin_sibling_never_shadows_a_standard_module(tmp_path: Path) -> None:
+    """A plug-in's folder holding a file named like a standard-library module (`json.py`, `wave.py`): the plug-in
+    still imports its own siblings, and the standard module stays what every later import (and every process the
+    trainer spawns, which inherits `sys.path`) gets."""
+    import subprocess
+    import sys
+
+    (tmp_path / "wave.py").write_text("raise RuntimeError('the user file shadowed the standard module')\n")
+    (tmp_path / "helper_mod_x1.py").write_text("VALUE = 41\n")
+    (tmp_path / "team_x1.py").write_text("import helper_mod_x1\n\ndef score(ctx):\n    return helper_mod_x1.VALUE\n")
+    fn = load_object(f"{tmp_path}/team_x1.py:score", "coach.backend")
+    assert fn(None) == 41
+    code = "import wave; print(wave.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": ":".join(sys.path)}, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert not out.stdout.strip().startswith(str(tmp_path))

@@ -6,49 +6,18 @@ import json
 
 import pytest
 import torch
+from helpers import AGENTS, convs, make_policy, perturb
 
-from mappa import decoding
-from mappa.decoding import response_layout, token_logprobs
 from mappa.errors import MappaError
-from mappa.lora import adapter_names
-from mappa.models import tiny_model_and_tokenizer
-from mappa.policy import Generation, Policy
-from mappa.policy_files import read_manifest
+from mappa.policy import decoding
+from mappa.policy.decoding import response_layout, token_logprobs
+from mappa.policy.lora import adapter_names
+from mappa.policy.models import tiny_model_and_tokenizer
+from mappa.policy.policy import Generation, Policy
+from mappa.policy.storage import read_manifest
 from mappa.types import Message
 
-AGENTS = ("solver", "coder", "verifier")
-
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def make_policy(agent_weights: str = "lora", seed: int = 0, eos_scale: float = 1.0, **kw) -> Policy:
-    model, tokenizer = tiny_model_and_tokenizer(seed)
-    if eos_scale != 1.0:
-        # A larger EOS embedding row makes EOS a likely next token at some positions, so sequences of
-        # one batch finish at different steps (tied embeddings: the LM head row scales too).
-        with torch.no_grad():
-            model.model.embed_tokens.weight[tokenizer.eos_token_id] *= eos_scale
-    return Policy.from_model(model, tokenizer, AGENTS, agent_weights=agent_weights, **kw)
-
-
-def convs(n: int) -> list[list[Message]]:
-    """Conversations of different lengths (exercises left padding)."""
-    out = []
-    for i in range(n):
-        msgs = [Message(role="user", content="What is 17 * 23? " * (1 + i % 4) + str(i))]
-        if i % 2:
-            msgs.insert(0, Message(role="system", content="You are the Code Executor."))
-        out.append(msgs)
-    return out
-
-
-def perturb(policy: Policy, agent: str, scale: float = 0.5, seed: int = 1) -> None:
-    """Give one agent non-zero LoRA B matrices (standard init has B = 0, so every agent starts as the base)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in policy.trainable_parameters(agent):
-            p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
 def logprobs_of(policy: Policy, agent: str | None, gens: list[Generation]) -> torch.Tensor:
@@ -411,7 +380,7 @@ def test_load_weights_rejects_a_checkpoint_of_other_agents_or_rank(tmp_path):
 def test_manifest_is_what_the_policy_reports_and_bad_ones_name_the_file(tmp_path):
     policy = make_policy("shared", lora_r=4)
     policy.save(tmp_path / "ok")
-    assert read_manifest(tmp_path / "ok") == {"format_version": 2, **policy.manifest()}  # 2: teams (mappa.policies)
+    assert read_manifest(tmp_path / "ok") == {"format_version": 2, **policy.manifest()}  # 2: teams (mappa.policy.team)
     assert policy.manifest()["adapters"] == dict.fromkeys(AGENTS, "shared")
     path = tmp_path / "bad" / "mappa_policy.json"
     path.parent.mkdir()
@@ -462,7 +431,8 @@ def test_the_training_path_does_not_import_the_serving_package():
     import sys
 
     code = (
-        "import sys, mappa.policy, mappa.trainer, mappa.rollout, mappa.evaluate, mappa.workflows, mappa.coach\n"
+        "import sys, mappa.policy.policy, mappa.training.trainer, mappa.rollout, mappa.training.evaluate\n"
+        "import mappa.workflows, mappa.coach\n"
         "print(sorted(m for m in sys.modules if m.startswith(('mappa.serving', 'fastapi', 'uvicorn'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

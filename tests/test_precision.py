@@ -1,4 +1,4 @@
-"""CPU bfloat16 autocast (`mappa.precision`): when it is chosen, that the update really runs its forward passes
+"""CPU bfloat16 autocast (`mappa.policy.precision`): when it is chosen, that the update really runs its forward passes
 in it, that PPO's ratio stays exactly 1 at the first optimizer step (old log-probs in the training forward's
 precision and micro-batch layout, even when the config says to reuse the generation-time ones), and that LoRA
 weights still learn."""
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_smoke import make_policy
+from helpers import update_policy
 
-from mappa import precision
 from mappa.config import Config
+from mappa.policy import precision
+from mappa.training.update import UpdateSettings, update_group
 from mappa.types import Action, Message
-from mappa.update import UpdateSettings, update_group
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -54,7 +54,7 @@ def test_detection_agrees_with_the_cpu_flags() -> None:
 
 
 def test_the_tiny_model_stays_float32_under_auto() -> None:
-    model = make_policy().model
+    model = update_policy().model
     assert precision.autocast_dtype("auto", model) is None
     assert precision.autocast_dtype("off", model) is None
     assert precision.autocast_dtype("bf16", model) == BF16
@@ -89,7 +89,7 @@ def ragged_actions(n: int) -> list[Action]:
 def run_update(mode: str, actions: list[Action]) -> tuple[list[dict[str, float]], set[torch.dtype], bool]:
     """Two mini-batches of update (recompute_old_logprobs off): each step's stats, the dtypes a LoRA-wrapped
     projection's output had in every forward, and whether the agent's weights changed."""
-    policy = make_policy()
+    policy = update_policy()
     params = policy.trainable_parameters("solver")
     before = [p.detach().clone() for p in params]
     update = {"mini_batch_size": len(actions) // 2, "micro_batch_size": 2, "recompute_old_logprobs": False}

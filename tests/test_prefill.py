@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from mappa import decoding
-from mappa.kvcache import BufferedLayer
-from mappa.models import tiny_model_and_tokenizer
+from mappa.policy import decoding
+from mappa.policy.kvcache import BufferedLayer
+from mappa.policy.models import tiny_model_and_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -24,11 +24,11 @@ TINY = [
     "sandbox.pool=false",
     "sandbox.timeout_s=5",
     "tasks.arithmetic_eval_size=3",
-    "logging.tensorboard=false",
+    "logging.report_to=[]",
 ]
 MOVED = "code_executor"  # the agent whose adapter the fixture perturbs before the second checkpoint
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +36,12 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run directory as `mappa train` leaves it: config.yaml, the start evaluation (played by the workflow in
     the real sandbox), checkpoint 1 at the initial weights, checkpoint 2 with one agent's LoRA B perturbed, and
     a half-written checkpoint a kill left behind."""
-    from mappa.checkpoint import save_checkpoint
     from mappa.config import dump_config, load_config
-    from mappa.evaluate import eval_tasks, evaluate, write_eval
     from mappa.generation import LocalGenerator
-    from mappa.policy import Policy
+    from mappa.policy.policy import Policy
     from mappa.sandbox import Sandbox
+    from mappa.training.checkpoint import save_checkpoint
+    from mappa.training.evaluate import eval_tasks, evaluate, write_eval
     from mappa.workflows import build_workflow
 
     run_dir = tmp_path_factory.mktemp("probe") / "run"
@@ -208,7 +208,7 @@ def test_batched_kl_equals_each_reply_scored_alone() -> None:
     reply gives alone, summed over tokens."""
     from mappa.analysis.probe import kl_to_base, vocab_logprobs
     from mappa.config import ModelConfig
-    from mappa.policy import Policy
+    from mappa.policy.policy import Policy
     from mappa.types import Message
 
     policy = Policy.from_config(ModelConfig(name="tiny-random", lora_r=4, lora_alpha=8), ["a"], seed=0)

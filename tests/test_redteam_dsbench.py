@@ -15,17 +15,16 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from helpers import fenced, play, reference_team
 from sklearn.linear_model import LinearRegression, LogisticRegression
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
-from test_ds_pipeline import bench, fenced, play, reference_snippets, reference_team, sandbox  # noqa: F401
 
 from mappa.coach.caps import TRIVIAL_CAP, apply_caps, score_cap
 from mappa.coach.prompts import render_context
 from mappa.coach.rubric import rubric_score
 from mappa.config import SandboxConfig
 from mappa.metrics import episode_metrics
-from mappa.rewards import per_action_scores
 from mappa.sandbox import Sandbox, new_workspace, remove_workspace
 from mappa.tasks.dsbench.metrics import (
     CLASSIFICATION_METRICS,
@@ -36,9 +35,13 @@ from mappa.tasks.dsbench.metrics import (
     trivial_predictions,
 )
 from mappa.tasks.dsbench.receipts import MARKER, expectations, parse_receipts, receipt_code
+from mappa.tasks.dsbench.reference import reference_snippets
 from mappa.tasks.tabular import load_dsbench, score_submission
+from mappa.training.rewards import per_action_scores
 from mappa.types import CoachContext, CoachScore, Task
 from mappa.workflows import DsPipeline
+
+pytestmark = pytest.mark.integration
 
 N_TRAIN, N_TEST = 300, 200
 

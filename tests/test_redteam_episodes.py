@@ -17,13 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from mappa.config import SandboxConfig
-from mappa.rewards import select_actions
 from mappa.sandbox import Sandbox, new_workspace, remove_workspace, run_python, workspace
-from mappa.sandbox.codeblocks import format_observation
 from mappa.sandbox.execute import Limits, run_cold
 from mappa.sandbox.pool import WarmPool
 from mappa.sandbox.workspace import REMOVE_BUDGET_S, remove_tree, workspace_root
+from mappa.training.rewards import select_actions
 from mappa.types import Action, Episode, ExecResult, Task
+from mappa.workflows.codeblocks import format_observation
+
+pytestmark = pytest.mark.integration
 
 # --- faults come only from the sandbox's own channel -------------------------------------------------------
 

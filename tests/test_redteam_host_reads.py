@@ -26,6 +26,8 @@ from mappa.tasks.tabular import score_submission
 from mappa.types import Action, ExecResult, Message, Task
 from mappa.workflows.ds_pipeline import ANALYST, DATA_ENGINEER, DsPipeline, Team
 
+pytestmark = pytest.mark.integration
+
 
 # ------------------------------------------------------------------------------------------------ fixtures
 def _task(root: Path, n_test: int = 200) -> Task:

@@ -16,17 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_resume import _Toy  # the same one-tensor stand-in for a policy
+from helpers import ToyPolicy  # the same one-tensor stand-in for a policy
 
-from mappa.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint
 from mappa.errors import MappaError
-from mappa.tracking import drop_lines_after
+from mappa.training.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint
+from mappa.training.tracking import drop_lines_after
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _checkpoint(run_dir: Path) -> Path:
-    toy = _Toy()
+    toy = ToyPolicy()
     opt = torch.optim.AdamW([toy.w], lr=0.1)
     toy.w.grad = torch.ones(3)
     opt.step()
@@ -34,7 +34,7 @@ def _checkpoint(run_dir: Path) -> Path:
 
 
 def _load(ckpt: Path) -> dict:
-    toy = _Toy()
+    toy = ToyPolicy()
     return load_checkpoint(ckpt, policy=toy, optimizers={"a": torch.optim.AdamW([toy.w], lr=0.1)})
 
 
@@ -91,16 +91,14 @@ def test_checkpoint_files_hold_only_what_weights_only_reads_and_rng_resumes_exac
     assert got[:2] == expected[:2] and np.array_equal(got[2], expected[2]) and torch.equal(got[3], expected[3])
 
 
-def test_an_rng_file_of_the_earlier_format_still_resumes_exactly(tmp_path: Path) -> None:
-    """rng.pt as mappa wrote it before (the states as python, numpy and torch return them) still loads: its numpy
-    arrays are the one thing besides tensors and plain values that is read, and they run nothing."""
+def test_an_rng_file_that_is_not_of_the_checkpoint_format_is_one_line(tmp_path: Path) -> None:
+    """rng.pt holds tensors and plain numbers in one format (`RNG_FORMAT`); the states as python, numpy and torch
+    return them (numpy's with an array) are not read: a one-line error naming the file, nothing restored."""
     ckpt = _checkpoint(tmp_path / "run")
-    torch.manual_seed(4), random.seed(4), np.random.seed(4)
     torch.save(rng_state(), ckpt / "rng.pt")
-    expected = (random.random(), float(np.random.rand()), torch.rand(2))
-    random.seed(0), np.random.seed(0), torch.manual_seed(0)
-    _load(ckpt)
-    assert (random.random(), float(np.random.rand())) == expected[:2] and torch.equal(torch.rand(2), expected[2])
+    with pytest.raises(MappaError, match="rng.pt") as err:
+        _load(ckpt)
+    assert "\n" not in str(err.value)
 
 
 # ------------------------------------------------------------------------------------ survives kills
@@ -116,7 +114,7 @@ def test_a_resume_killed_while_rewriting_a_log_loses_no_history(tmp_path: Path) 
     script = (
         "import resource, signal, sys\n"
         "from pathlib import Path\n"
-        "from mappa.tracking import drop_lines_after\n"
+        "from mappa.training.tracking import drop_lines_after\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_DFL)\n"  # Python ignores it; the kernel's default kills
         "resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))\n"
         "drop_lines_after(Path(sys.argv[1]), 1500)\n"
@@ -173,7 +171,7 @@ def test_runs_started_in_the_same_second_get_their_own_directories(
 ) -> None:
     from datetime import datetime
 
-    import mappa.tracking as tracking
+    import mappa.training.tracking as tracking
     from mappa.config import load_config
 
     class _SameSecond(datetime):

@@ -17,6 +17,8 @@ import pytest
 
 from mappa.errors import MappaError
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "model.name=tiny-random", "model.lora_r=4", "generation.max_new_tokens=8", "sandbox.pool=false",
@@ -156,7 +158,7 @@ def test_eval_into_a_foreign_directory_says_how_to_go_on(tmp_path: Path, capsys:
 
 
 def test_a_run_made_before_the_marker_is_refused_with_how_to_mark_it(tmp_path: Path) -> None:
-    from mappa.tracking import require_run_dir
+    from mappa.training.tracking import require_run_dir
 
     d = _foreign(tmp_path, "run.json without the marker")
     with pytest.raises(MappaError) as info:
@@ -181,7 +183,7 @@ def test_a_run_made_before_the_marker_is_refused_with_how_to_mark_it(tmp_path: P
     ids=["missing", "a file", "run.json a directory", "run.json not UTF-8", "run.json huge"],
 )
 def test_the_rule_is_one_line_for_every_shape(tmp_path: Path, make, message: str) -> None:  # noqa: ANN001
-    from mappa.tracking import is_run_dir, require_run_dir
+    from mappa.training.tracking import is_run_dir, require_run_dir
 
     d = tmp_path / "d"
     make(d)
@@ -193,7 +195,7 @@ def test_the_rule_is_one_line_for_every_shape(tmp_path: Path, make, message: str
 
 def test_a_new_run_is_marked_and_keeps_its_marker(tmp_path: Path) -> None:
     from mappa.config import load_config
-    from mappa.tracking import RUN_FORMAT, is_run_dir, new_run_dir, remember_tracker_id, require_run_dir
+    from mappa.training.tracking import RUN_FORMAT, is_run_dir, new_run_dir, remember_tracker_id, require_run_dir
 
     run = new_run_dir(load_config(None, [f"run_dir={tmp_path / 'run'}"]))
     assert json.loads((run / "run.json").read_text())["mappa_run"] == RUN_FORMAT == 1
@@ -205,7 +207,7 @@ def test_a_new_run_is_marked_and_keeps_its_marker(tmp_path: Path) -> None:
 def test_a_new_run_never_moves_into_a_folder_holding_files(tmp_path: Path, kind: str) -> None:
     """`run_dir=examples/mine` (a source folder): its config.yaml is not overwritten by the run's."""
     from mappa.config import load_config
-    from mappa.tracking import new_run_dir
+    from mappa.training.tracking import new_run_dir
 
     d = _foreign(tmp_path, kind)
     before = tree(d)
@@ -271,7 +273,7 @@ def test_a_start_that_fails_after_the_model_loaded_removes_its_run_directory(
 
 # ----------------------------------------------------------------------------------------------------- Ctrl-C
 def test_ctrl_c_names_the_saved_step_and_the_resume_command(tmp_path: Path) -> None:
-    from mappa.checkpoint import latest_checkpoint
+    from mappa.training.checkpoint import latest_checkpoint
 
     run_dir = tmp_path / "run"
     log = tmp_path / "train.log"

@@ -27,6 +27,8 @@ from mappa.sandbox import (
     remove_workspace,
 )
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[1]
 
 

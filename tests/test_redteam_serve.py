@@ -23,12 +23,12 @@ import torch
 from safetensors.torch import load_file
 
 from mappa import beneath
-from mappa.chat_engine import ChatEngine, ChatRequest
 from mappa.config import GenerationConfig
 from mappa.errors import MappaError
 from mappa.generation import ServerPolicy, publish_adapters
-from mappa.models import tiny_model_and_tokenizer
-from mappa.policy import Policy
+from mappa.policy.chat_engine import ChatEngine, ChatRequest
+from mappa.policy.models import tiny_model_and_tokenizer
+from mappa.policy.policy import Policy
 from mappa.serving.adapters import ServedPolicy, _drop
 from mappa.serving.guard import AdapterRoots, default_adapter_roots
 from mappa.serving.server import Limits, RunningServer, create_app, start_server

@@ -36,7 +36,10 @@ AGENT_PYTHON = REPO / ".venv-agents" / "bin" / "python"
 FIXTURE = "sklearn/datasets/tests/data/openml/id_40945/data-v1-dl-16826755.arff.gz"
 TASKS = ["titanic_survival", "diamond_prices"]
 
-pytestmark = pytest.mark.skipif(not AGENT_PYTHON.exists(), reason="no agent environment (make venv)")
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not AGENT_PYTHON.exists(), reason="no agent environment (make venv)"),
+]
 
 
 @pytest.fixture(autouse=True)

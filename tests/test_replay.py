@@ -9,9 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from fakes import ScriptedPolicy, play_scripted
-from test_coach_openai import FaultServer, reply
-from test_workflows import py
+from helpers import FaultServer, ScriptedPolicy, play_scripted, py, reply
 
 from mappa.coach import build_coach
 from mappa.coach.replay import episode_contexts

@@ -17,10 +17,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_analysis import TH, synthetic, write_run
+from helpers import TH, synthetic, write_run
 
 from mappa.analysis.report import SECTIONS, build_report, write_report
 from mappa.analysis.runs import load_run
+
+pytestmark = pytest.mark.integration
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",

@@ -10,54 +10,22 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY, ToyPolicy, kill_at_checkpoint, wait_for
 
-from mappa.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from mappa.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "model.name=tiny-random",
-    "model.lora_r=4",
-    "model.lora_alpha=8",
-    "generation.max_new_tokens=10",
-    "sandbox.pool=false",
-    "coach.backend=rubric",
-    "coach.cache=false",
-    "tasks.arithmetic_train_size=32",
-    "tasks.arithmetic_eval_size=2",
-    "train.prompts_per_step=2",
-    "train.samples_per_prompt=1",
-    "train.mini_batch_size=1",  # several optimizer steps per agent and step: the schedule and shuffle resume too
-    "train.drop_truncated=false",
-    "train.lr=1e-2",
-    "logging.tensorboard=false",
-]
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-class _Toy:
-    """The two methods of Policy that checkpointing uses, over one tensor."""
-
-    def __init__(self) -> None:
-        self.w = torch.nn.Parameter(torch.zeros(3))
-
-    def save(self, directory: Path) -> None:
-        directory.mkdir(parents=True)
-        torch.save(self.w.detach(), directory / "w.pt")
-
-    def load_weights(self, directory: Path) -> None:
-        with torch.no_grad():
-            self.w.copy_(torch.load(directory / "w.pt"))
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def test_checkpoint_round_trip_restores_weights_optimizer_rng(tmp_path: Path) -> None:
-    toy = _Toy()
+    toy = ToyPolicy()
     opt = torch.optim.AdamW([toy.w], lr=0.1)
     for _ in range(2):
         toy.w.grad = torch.ones(3)
@@ -68,7 +36,7 @@ def test_checkpoint_round_trip_restores_weights_optimizer_rng(tmp_path: Path) ->
     expected_next = torch.rand(4)
     w_saved = toy.w.detach().clone()
 
-    toy2 = _Toy()
+    toy2 = ToyPolicy()
     opt2 = torch.optim.AdamW([toy2.w], lr=0.1)
     state = load_checkpoint(latest_checkpoint(tmp_path), policy=toy2, optimizers={"a": opt2})
     assert state == {"step": 2, "cursor": 8}
@@ -84,7 +52,7 @@ def test_kept_rng_leaves_every_generator_where_it_was() -> None:
 
     import numpy as np
 
-    from mappa.checkpoint import kept_rng
+    from mappa.training.checkpoint import kept_rng
 
     state = (random.getstate(), np.random.get_state(), torch.get_rng_state())
     expected = (random.random(), float(np.random.rand()), torch.rand(2))
@@ -95,7 +63,7 @@ def test_kept_rng_leaves_every_generator_where_it_was() -> None:
 
 
 def test_half_written_checkpoints_are_ignored(tmp_path: Path) -> None:
-    toy = _Toy()
+    toy = ToyPolicy()
     opt = torch.optim.AdamW([toy.w])
     for step in (1, 2, 3):
         save_checkpoint(tmp_path, step, policy=toy, optimizers={"a": opt}, state={"cursor": step})
@@ -113,18 +81,6 @@ def _train_rows(run_dir: Path) -> list[dict]:
     return [r for r in rows if "time/rollout_s" in r]
 
 
-def kill_at_checkpoint(proc: subprocess.Popen, run_dir: Path, step: int, log: Path, timeout: float = 240) -> None:
-    """SIGKILL `proc` as soon as checkpoint `step` is complete (the next step is then under way); fails with the
-    log's tail if it exits first, or after `timeout` seconds. The caller reaps it (and whatever it started)."""
-
-    def reached() -> bool:
-        ckpt = latest_checkpoint(run_dir) if run_dir.exists() else None
-        return ckpt is not None and ckpt.name == f"step-{step:06d}"
-
-    _wait_for(reached, proc, log, f"checkpoint {step}", timeout)
-    proc.send_signal(signal.SIGKILL)
-
-
 def _mappa(args: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
@@ -134,8 +90,8 @@ def _mappa(args: list[str], log: Path) -> subprocess.Popen:
 
 def test_sigkill_mid_run_then_resume_continues_exactly(tmp_path: Path) -> None:
     from mappa.config import load_config
-    from mappa.policy import Policy
-    from mappa.trainer import train
+    from mappa.policy.policy import Policy
+    from mappa.training.trainer import train
 
     steps = 4
     killed_dir = tmp_path / "killed"
@@ -212,7 +168,7 @@ def truncate(path: Path) -> None:
 def other_agents(ckpt: Path) -> None:
     """The checkpoint's weights replaced by those of a team with other agents."""
     from mappa.config import load_config
-    from mappa.policy import Policy
+    from mappa.policy.policy import Policy
 
     shutil.rmtree(ckpt / "policy")
     Policy.from_config(load_config(None, TINY).model, ["analyst", "critic"], seed=0).save(ckpt / "policy")
@@ -301,7 +257,7 @@ def test_a_coach_that_goes_down_mid_run_stops_it_resumable(tmp_path: Path) -> No
     nothing stop the run with one line, after those steps are logged and checkpointed."""
     from mappa.config import load_config
     from mappa.errors import MappaError
-    from mappa.trainer import train
+    from mappa.training.trainer import train
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -322,14 +278,6 @@ def test_a_coach_that_goes_down_mid_run_stops_it_resumable(tmp_path: Path) -> No
     assert latest_checkpoint(run_dir).name == "step-000002"
 
 
-def _wait_for(condition, proc: subprocess.Popen, log: Path, what: str, timeout: float = 240) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"{what}: not in time"
-        time.sleep(0.02)
-
-
 @pytest.mark.slow  # two `mappa train` processes: over a minute on a busy 2-core CPU
 def test_ctrl_c_exits_130_and_the_run_resumes(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -337,7 +285,7 @@ def test_ctrl_c_exits_130_and_the_run_resumes(tmp_path: Path) -> None:
     log = tmp_path / "first.log"
     proc = _mappa(["train", *[a for o in overrides for a in ("--set", o)]], log)
     try:
-        _wait_for(lambda: latest_checkpoint(run_dir) is not None, proc, log, "the first checkpoint")
+        wait_for(lambda: latest_checkpoint(run_dir) is not None, proc, log, "the first checkpoint")
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
         assert proc.wait(timeout=120) == 130
     finally:
@@ -361,7 +309,7 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over_on_resume(tmp_path
     proc = _mappa(["train", *[a for o in overrides for a in ("--set", o)]], log)
     try:  # killed while step 1 plays, after the start evaluation was written
         evals = run_dir / "eval" / "summary.jsonl"  # its line written whole, not just the file opened
-        _wait_for(lambda: evals.is_file() and evals.read_text().endswith("\n"), proc, log, "the start evaluation")
+        wait_for(lambda: evals.is_file() and evals.read_text().endswith("\n"), proc, log, "the start evaluation")
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.kill()
@@ -412,6 +360,6 @@ def test_a_run_made_by_mappa_train_is_taken_by_every_command_that_writes_into_it
 def test_checkpoint_rotation_keeps_the_newest(tmp_path: Path, keep: int, left: list[int]) -> None:
     """`train.keep_checkpoints`: the newest `keep` complete checkpoints stay (0: all, for `mappa probe`)."""
     for step in range(1, 5):
-        save_checkpoint(tmp_path, step, policy=_Toy(), optimizers={}, state={}, keep=keep)
+        save_checkpoint(tmp_path, step, policy=ToyPolicy(), optimizers={}, state={}, keep=keep)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == [f"step-{s:06d}" for s in left]
     assert latest_checkpoint(tmp_path).name == "step-000004"

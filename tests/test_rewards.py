@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mappa.errors import MappaError
-from mappa.rewards import per_action_scores, reward_mode, select_actions
+from mappa.training.rewards import per_action_scores, reward_mode, select_actions
 from mappa.types import Action, CoachScore, Episode, ExecResult, Task
 
 TASK = Task(id="t", problem="2+3", answer="5", source="arithmetic")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mappa.rl import (
+from mappa.training.rl import (
     clipped_pg_loss,
     lr_factor,
     masked_whiten,
@@ -121,84 +121,6 @@ def test_padding_values_are_ignored() -> None:
     loss2, _ = clipped_pg_loss(garbage[0], garbage[2], adv2, MASK)
     torch.testing.assert_close(adv, adv2)
     torch.testing.assert_close(loss, loss2)
-
-
-def test_agents_do_not_share_whitening_statistics() -> None:
-    g = torch.Generator().manual_seed(2)
-    a_logp, a_ref = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
-    a_mask, a_scores = torch.ones(3, 5), torch.tensor([0.1, 0.5, 0.9])
-    alone = reinforce_pp_advantages(a_scores, a_logp, a_ref, a_mask, 0.01)
-    for other_scores in (torch.tensor([0.0, 0.0]), torch.tensor([100.0, -50.0])):
-        _ = reinforce_pp_advantages(other_scores, torch.randn(2, 5), torch.randn(2, 5), torch.ones(2, 5), 0.01)
-        again = reinforce_pp_advantages(a_scores, a_logp, a_ref, a_mask, 0.01)
-        torch.testing.assert_close(alone, again)
-    # ...whereas pooling the two agents would have changed agent A's advantages
-    pooled = reinforce_pp_advantages(
-        torch.cat([a_scores, torch.tensor([100.0, -50.0])]),
-        torch.cat([a_logp, torch.zeros(2, 5)]),
-        torch.cat([a_ref, torch.zeros(2, 5)]),
-        torch.ones(5, 5),
-        0.01,
-    )[:3]
-    assert not torch.allclose(pooled, alone)
-
-
-@pytest.mark.parametrize(
-    "scores,logp,mask",
-    [
-        (torch.tensor([0.5, 0.5]), torch.zeros(2, 4), MASK),  # all-equal scores, zero KL
-        (torch.tensor([0.9]), torch.zeros(1, 1), torch.ones(1, 1)),  # a single token
-        (torch.tensor([1e30, -1e30]), torch.full((2, 4), -1e30), MASK),  # huge values
-        (torch.zeros(0), torch.zeros(0, 4), torch.zeros(0, 4)),  # empty batch
-        (torch.tensor([0.5, 0.2]), torch.zeros(2, 4), torch.zeros(2, 4)),  # no valid token
-    ],
-)
-def test_degenerate_inputs_stay_finite(scores: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> None:
-    adv = reinforce_pp_advantages(scores, logp, torch.zeros_like(logp), mask, kl_coef=0.01)
-    assert torch.isfinite(adv).all()
-    loss, stats = clipped_pg_loss(logp.clone().requires_grad_(), torch.zeros_like(logp), adv, mask)
-    assert torch.isfinite(loss)
-    assert all(math.isfinite(v) for v in stats.values())
-    loss.backward()
-
-
-G = torch.Generator().manual_seed(7)
-SAME = torch.randn(2, 4, generator=G)  # policy == reference: zero KL on every token, whatever the values
-
-
-@pytest.mark.parametrize(
-    "scores,logp,ref,mask",
-    [
-        (torch.tensor([0.5, 0.5]), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3)),  # equal scores, no KL
-        (torch.tensor([0.7, 0.7]), SAME, SAME, MASK),  # equal scores, ragged rows, policy == reference
-        (torch.tensor([0.3, 0.9]), torch.randn(2, 4, generator=G), torch.randn(2, 4, generator=G), torch.zeros(2, 4)),
-        (torch.tensor([0.9]), torch.tensor([[-2.0]]), torch.tensor([[-1.0]]), torch.ones(1, 1)),  # one token
-        (torch.zeros(0), torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(0, 4)),  # empty batch
-    ],
-    ids=["equal scores", "equal scores ragged", "no valid token", "one token", "empty batch"],
-)
-def test_degenerate_inputs_give_exactly_zero_advantages(
-    scores: torch.Tensor, logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor
-) -> None:
-    """Nothing to prefer: every advantage is exactly 0 (not merely small or finite), so the loss and its gradient
-    are exactly 0 too and the update cannot move the weights. Scores equal and KL zero means every return is
-    the same number, which whitening maps to 0; no valid token means nothing to whiten."""
-    adv = reinforce_pp_advantages(scores, logp, ref, mask, kl_coef=0.05)
-    assert torch.equal(adv, torch.zeros_like(adv)), adv
-    new = logp.clone().requires_grad_()
-    loss, _ = clipped_pg_loss(new, logp, adv, mask)
-    loss.backward()
-    assert loss.item() == 0.0 and torch.equal(new.grad, torch.zeros_like(new))
-
-
-# ---------------------------------------------------------------------------------------------------- schedule
-def test_minibatches_cover_each_action_once_per_epoch_seeded() -> None:
-    batches = minibatches(10, 4, epochs=2, seed=3)
-    assert [len(b) for b in batches] == [4, 4, 2, 4, 4, 2]
-    assert sorted(i for b in batches[:3] for i in b) == list(range(10))
-    assert sorted(i for b in batches[3:] for i in b) == list(range(10))
-    assert batches[:3] != batches[3:]  # each pass reshuffled
-    assert batches == minibatches(10, 4, epochs=2, seed=3) and batches != minibatches(10, 4, epochs=2, seed=4)
 
 
 def test_minibatches_small_batch_is_one_step() -> None:

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from mappa.rollout import pick_tasks
 from mappa.tasks import check_answer, extract_answer
+from mappa.tasks.sampler import pick_tasks
 from mappa.types import Episode, Task, read_jsonl
+
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
 

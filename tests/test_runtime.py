@@ -9,7 +9,7 @@ import torch
 
 from mappa.config import GenerationConfig, SandboxConfig, WorkflowConfig, load_config
 from mappa.generation import LocalGenerator
-from mappa.policy import Policy
+from mappa.policy.policy import Policy
 from mappa.protocols import Runtime
 from mappa.sandbox import Sandbox
 from mappa.types import Message, Task

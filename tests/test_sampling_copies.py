@@ -1,6 +1,6 @@
-"""Sampling copies (`mappa.sampling_copies`): `generate` samples from a copy of each agent's weights with its adapter
-folded in. In float32 the copy samples what the forward pass computes; a copy follows its agent's weights through
-optimizer steps, loads and the self-test's perturbation; a bfloat16 copy stays within the self-test's bf16
+"""Sampling copies (`mappa.policy.sampling_copies`): `generate` samples from a copy of each agent's weights with its
+adapter folded in. In float32 the copy samples what the forward pass computes; a copy follows its agent's weights
+through optimizer steps, loads and the self-test's perturbation; a bfloat16 copy stays within the self-test's bf16
 tolerance. Tiny random Llama, in-process."""
 
 from __future__ import annotations
@@ -9,21 +9,20 @@ import shutil
 
 import pytest
 import torch
-from test_policy import AGENTS, convs, make_policy, perturb
-from test_sampling_temperature import _actions, _first_step
+from helpers import AGENTS, convs, first_update_step, make_policy, perturb, solver_actions
 
-from mappa import sampling_copies
 from mappa.config import Config
 from mappa.errors import MappaError
-from mappa.models import tiny_model_and_tokenizer
-from mappa.policy import Policy
+from mappa.policy import sampling_copies
+from mappa.policy.models import tiny_model_and_tokenizer
+from mappa.policy.policy import Policy
+from mappa.policy.sampling_copies import choose_dtype
 from mappa.rollout import build_kit
-from mappa.sampling_copies import choose_dtype
-from mappa.selftest import check_agents
-from mappa.trainer import update_settings
-from mappa.update import update_group
+from mappa.training.selftest import check_agents
+from mappa.training.trainer import update_settings
+from mappa.training.update import update_group
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 
 T = 0.7
 BF16 = torch.bfloat16
@@ -82,7 +81,7 @@ def test_a_copy_follows_an_update_and_is_only_refilled_when_its_weights_changed(
     policy = make_policy()
     perturb(policy, "solver", scale=0.3, seed=3)
     policy.sample_from_copies(torch.float32)
-    actions = _actions(policy, 6, T)
+    actions = solver_actions(policy, 6, T)
     policy.generate("coder", convs(1), max_new_tokens=2, seed=0)
     filled = policy._sampling.refreshes
     policy.generate("solver", convs(1), max_new_tokens=2, seed=0)
@@ -145,7 +144,7 @@ def test_copies_can_be_switched_off_again() -> None:
 @pytest.mark.parametrize(("mode", "dtype"), [("float32", torch.float32), ("auto", None), ("off", None)])
 def test_the_configured_mode_reaches_the_policy(mode: str, dtype: torch.dtype | None) -> None:
     """`generation.sampling_copy` through `build_kit` (the one constructor of a run's parts). The tiny model is
-    narrower than `mappa.precision.MIN_HIDDEN`, so its update is never autocast and `auto` stays off."""
+    narrower than `mappa.policy.precision.MIN_HIDDEN`, so its update is never autocast and `auto` stays off."""
     cfg = Config()
     cfg = cfg.model_copy(
         update={
@@ -161,12 +160,12 @@ def test_a_run_sampling_from_bfloat16_copies_trains_and_resumes_exactly(tmp_path
     """The trainer's whole path with bfloat16 copies on the tiny model (its update forced into bfloat16 too): the
     self-test passes, every agent trains, and a run resumed from its step-2 checkpoint ends where a straight run
     does (the copies are rebuilt from the loaded weights)."""
-    from test_resume import TINY
+    from helpers import TINY
 
-    from mappa.checkpoint import latest_checkpoint
     from mappa.config import load_config
-    from mappa.tracking import read_metrics
-    from mappa.trainer import train
+    from mappa.training.checkpoint import latest_checkpoint
+    from mappa.training.tracking import read_metrics
+    from mappa.training.trainer import train
 
     sets = [*TINY, "generation.sampling_copy=bfloat16", "train.cpu_autocast=bf16", "train.checkpoint_every=1"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -195,12 +194,12 @@ def test_an_update_recomputes_what_a_bfloat16_copy_sampled(dtype: torch.dtype, m
     perturb(policy, "solver", scale=0.3, seed=3)
     policy.sample_from_copies(dtype)
     assert policy.samples_exactly is (dtype == torch.float32)
-    actions = _actions(policy, 6, T)
-    step = _first_step(actions, T, recompute=False, policy=policy, exact=policy.samples_exactly)
+    actions = solver_actions(policy, 6, T)
+    step = first_update_step(actions, T, recompute=False, policy=policy, exact=policy.samples_exactly)
     assert step["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and abs(step["approx_kl"]) < 1e-6
     if dtype == BF16:  # teeth: trusting the bfloat16 sampler's log-probs moves the ratio with no weight change
         monkeypatch.setattr(Policy, "samples_exactly", property(lambda self: True))
-        trusted = _first_step(actions, T, recompute=False, policy=policy, exact=policy.samples_exactly)
+        trusted = first_update_step(actions, T, recompute=False, policy=policy, exact=policy.samples_exactly)
         assert abs(trusted["ratio_mean"] - 1.0) > 1e-4 or abs(trusted["approx_kl"]) > 1e-6
 
 
@@ -208,13 +207,13 @@ def test_an_update_recomputes_what_a_bfloat16_copy_sampled(dtype: torch.dtype, m
 def test_a_ray_rollout_worker_says_whether_its_logprobs_are_exact(mode: str, exact: bool, tmp_path) -> None:  # noqa: ANN001
     """What a Ray cluster asks each rollout worker once (`RolloutWorker.samples_exactly`, its generator's answer,
     in-process here): a worker sampling from bfloat16 copies has every trainer recompute the old log-probs
-    (`mappa.update.recomputes_old_logprobs`), whatever the trainers' own hardware would choose."""
-    from test_resume import TINY
+    (`mappa.training.update.recomputes_old_logprobs`), whatever the trainers' own hardware would choose."""
+    from helpers import TINY
 
     from mappa.config import load_config
     from mappa.distributed.actors import RolloutWorker
-    from mappa.trainer import update_settings
-    from mappa.update import recomputes_old_logprobs
+    from mappa.training.trainer import update_settings
+    from mappa.training.update import recomputes_old_logprobs
 
     cfg = load_config(None, [*TINY, f"generation.sampling_copy={mode}", f"run_dir={tmp_path}"])
     worker = RolloutWorker(cfg, AGENTS, str(tmp_path), "cpu", 1, cfg.generation.base_url)
@@ -232,7 +231,8 @@ def test_a_copy_folded_with_the_wrong_scale_fails_the_self_test(monkeypatch) -> 
     """A bfloat16 copy is held to its own forward pass for the log-probs it reports, so that it holds the agent's
     weights is checked apart: a fold that doubles each adapter's delta reports its own log-probs faithfully and
     is still caught."""
-    from mappa import agent_weights, lora
+    from mappa.policy import lora
+    from mappa.policy import weights as agent_weights
 
     def doubled(target: torch.nn.Module, peft_model, adapter: str | None) -> None:  # noqa: ANN001
         lora.fold_adapter(target, peft_model, adapter)
@@ -253,7 +253,7 @@ def test_a_copy_folded_with_the_wrong_scale_fails_the_self_test(monkeypatch) -> 
 
 
 def test_bfloat16_copies_reporting_another_temperature_fail_the_self_test() -> None:
-    from test_sampling_temperature import RawLogprobs
+    from helpers import RawLogprobs
 
     policy = make_policy()
     policy.sample_from_copies(BF16)
@@ -306,7 +306,7 @@ QWEN = "qwen2.5-coder-0.5b-instruct"
 
 def _qwen_policy() -> Policy:
     from mappa.config import load_config
-    from mappa.models import packaged_model_path
+    from mappa.policy.models import packaged_model_path
 
     if not packaged_model_path(QWEN).is_file():
         pytest.skip(f"{QWEN} is not fetched (make models)")
@@ -319,7 +319,7 @@ def test_bfloat16_copies_of_qwen2_5_coder_hold_the_agents_weights() -> None:
     """Biases on q/k/v and an LM head of its own: the copy's forward stays within bfloat16 rounding of the agent's
     float32 forward, far from the base, at a perturbation the size of a few updates (0.3-1 nats/token from the
     base). Measured: 0.02-0.03 nats/token at every size up to 1 nat/token, and at 64-1,536-token contexts."""
-    from mappa.selftest import _perturb, _restore
+    from mappa.training.selftest import _perturb, _restore
 
     policy = _qwen_policy()
     agent = "code_executor"

@@ -5,21 +5,16 @@ the raw logits cannot pass it. Tiny random Llama, in-process."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
-
 import pytest
 import torch
-from fakes import Miswired
-from test_policy import AGENTS, convs, make_policy, perturb
+from helpers import AGENTS, RawLogprobs, convs, first_update_step, make_policy, perturb, solver_actions
 
 from mappa.config import Config
-from mappa.decoding import Generation, scaled_logits
 from mappa.errors import MappaError
-from mappa.selftest import check_agents
-from mappa.trainer import update_settings
-from mappa.types import Action, Message
-from mappa.update import update_group
+from mappa.policy.decoding import scaled_logits
+from mappa.training.selftest import check_agents
+from mappa.training.trainer import update_settings
+from mappa.training.update import update_group
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -63,44 +58,12 @@ def test_scaled_logits_leave_greedy_and_temperature_one_alone() -> None:
     torch.testing.assert_close(scaled_logits(logits, 0.5), logits * 2)
 
 
-def _actions(policy, n: int, temperature: float) -> list[Action]:  # noqa: ANN001
-    chats = [[Message(role="user", content=f"What is {i} + {i}?")] for i in range(n)]
-    gens = policy.generate("solver", chats, max_new_tokens=6, temperature=temperature, seed=7)
-    return [Action.sampled("solver", 0, c, g) for c, g in zip(chats, gens, strict=True)]
-
-
-def _first_step(
-    actions: list[Action], temperature: float, recompute: bool, policy=None, exact: bool = True
-) -> dict[str, float]:  # noqa: ANN001
-    """One optimizer step at learning rate 0 (no weight change) with `generation.temperature` set, on `policy`
-    (default: a fresh one with the solver perturbed as `_actions`' callers do); `exact`: what the generator said of
-    its log-probs (`samples_exactly`)."""
-    cfg = Config()
-    cfg = cfg.model_copy(
-        update={
-            "generation": cfg.generation.model_copy(update={"temperature": temperature}),
-            "train": cfg.train.model_copy(
-                update={"mini_batch_size": len(actions), "recompute_old_logprobs": recompute}
-            ),
-        }
-    )
-    if policy is None:
-        policy = make_policy()
-        perturb(policy, "solver", scale=0.3, seed=3)  # the agent is not the reference: the KL term is live
-    opt = torch.optim.SGD(policy.trainable_parameters("solver"), lr=0.0)
-    steps: list[dict[str, float]] = []
-    update_group(
-        policy, opt, actions, [10.0, 0.0, 5.0, 3.0, 8.0, 1.0], update_settings(cfg, exact), on_step=steps.append
-    )
-    return steps[0]
-
-
 @pytest.mark.parametrize("recompute", [False, True])
 def test_the_first_update_step_has_ratio_one_at_the_sampling_temperature(recompute: bool) -> None:
     policy = make_policy()
     perturb(policy, "solver", scale=0.3, seed=3)
-    actions = _actions(policy, 6, T)
-    step = _first_step(actions, T, recompute)
+    actions = solver_actions(policy, 6, T)
+    step = first_update_step(actions, T, recompute)
     assert step["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert step["clip_frac"] == 0.0 and abs(step["approx_kl"]) < 1e-6
 
@@ -110,20 +73,8 @@ def test_stored_logprobs_against_another_temperature_move_the_ratio() -> None:
     log-probs (at T) against a forward at 1 give a ratio away from 1 with no weight change."""
     policy = make_policy()
     perturb(policy, "solver", scale=0.3, seed=3)
-    step = _first_step(_actions(policy, 6, T), 1.0, recompute=False)
+    step = first_update_step(solver_actions(policy, 6, T), 1.0, recompute=False)
     assert abs(step["ratio_mean"] - 1.0) > 1e-2 or step["clip_frac"] > 0
-
-
-class RawLogprobs(Miswired):
-    """Reports the raw logits' log-probs (temperature 1) whatever temperature it samples at."""
-
-    def generate(self, agent: str | None, conversations, **kw) -> Sequence[Generation]:  # noqa: ANN001
-        gens = self.inner.generate(agent, conversations, **kw)
-        out = []
-        for g in gens:
-            lp, _ = self.inner.forward_logprobs(agent, [g.prompt_ids], [g.response_ids])
-            out.append(dataclasses.replace(g, logprobs=tuple(lp[0, : len(g.response_ids)].tolist())))
-        return out
 
 
 def test_the_self_test_catches_logprobs_of_another_temperature() -> None:
@@ -137,7 +88,7 @@ def test_the_reward_scale_reaches_the_update() -> None:
     0-10 score and score / 10 give different gradients; with kl_coef 0 the same."""
     policy = make_policy()
     perturb(policy, "solver", scale=0.3, seed=3)
-    actions = _actions(policy, 6, 1.0)
+    actions = solver_actions(policy, 6, 1.0)
 
     def grad_norm(scale: float, kl_coef: float) -> float:
         cfg = Config()

@@ -30,6 +30,8 @@ from mappa.errors import MappaError
 from mappa.sandbox import Sandbox, confine, new_workspace, remove_workspace, run_python, workspace_root
 from mappa.sandbox.execute import BoundedStream, Limits, run_cold
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 1.5
 LIMITS = dict(timeout_s=TIMEOUT, memory_mb=256, max_processes=32, max_file_mb=8, max_output_chars=2000)

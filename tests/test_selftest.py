@@ -10,16 +10,14 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
-from fakes import Miswired
-from test_coach_openai import FaultServer, reply
-from test_policy import AGENTS, make_policy
+from helpers import AGENTS, FaultServer, Miswired, make_policy, reply
 
 from mappa.coach import build_coach
 from mappa.config import CoachConfig, SandboxConfig
 from mappa.errors import MappaError
-from mappa.policy import Generation
+from mappa.policy.policy import Generation
 from mappa.sandbox import Sandbox
-from mappa.selftest import check_agents, check_coach, check_sandbox
+from mappa.training.selftest import check_agents, check_coach, check_sandbox
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

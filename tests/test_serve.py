@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from mappa import beneath
-from mappa.chat_engine import load_policy
 from mappa.errors import MappaError
-from mappa.models import tiny_model_and_tokenizer
-from mappa.policy import Policy
+from mappa.policy.chat_engine import load_policy
+from mappa.policy.models import tiny_model_and_tokenizer
+from mappa.policy.policy import Policy
 from mappa.serving.guard import AdapterRoots
 from mappa.serving.server import Limits, RunningServer, create_app, served_names, start_server
 from mappa.types import Message
@@ -351,7 +351,7 @@ def test_greedy_reply_is_the_policys_on_the_same_messages(client: openai.OpenAI,
 def test_finish_reason_is_length_exactly_when_the_cap_cut_the_reply() -> None:
     """On a model that sometimes stops by itself: `stop` when EOS came (even as the last allowed token), `length`
     when the cap cut the reply one token short of it or in the middle of a long one."""
-    from test_policy import convs, make_policy, perturb
+    from helpers import convs, make_policy, perturb
 
     eager = make_policy(eos_scale=1.6)
     perturb(eager, "coder", scale=1.0)

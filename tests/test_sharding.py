@@ -1,4 +1,4 @@
-"""An update group sharded over 2 processes with FSDP2 (`mappa.sharding`, gloo between CPU processes) takes the
+"""An update group sharded over 2 processes with FSDP2 (`mappa.policy.sharding`, gloo between CPU processes) takes the
 same optimizer steps as one process: the same weights, AdamW moments and metrics after a whole update of
 several mini-batches (uneven micro-batch counts, so some passes are idle), and a checkpoint the unsharded policy
 loads. Both weight modes: LoRA adapters on a sharded base, and full copies."""
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import asdict
@@ -16,16 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_train_smoke import make_policy, sampled_actions, train_cfg
+from helpers import free_port, sampled_actions, train_cfg, update_policy
 
-from mappa import sharding
 from mappa.config import Config
-from mappa.policy import Policy
-from mappa.trainer import update_settings
+from mappa.policy import sharding
+from mappa.policy.policy import Policy
+from mappa.training.trainer import update_settings
+from mappa.training.update import build_optimizer, update_group
 from mappa.types import Action
-from mappa.update import build_optimizer, update_group
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 
 SCORES = [9.0, 1.0, 6.0, 3.0, 10.0, 0.0, 4.0]
 # 7 actions in mini-batches of 3 (3, 3, 1), one action per micro-batch: the two ranks make 2 and 1 passes, then
@@ -43,7 +42,7 @@ def _rank(rank: int, port: int, mode: str, actions: list[Action], out: Path) -> 
     torch.set_num_threads(1)
     sharding.init(rank, 2, f"127.0.0.1:{port}", "cpu")
     try:
-        policy = make_policy(mode)
+        policy = update_policy(mode)
         sharding.shard_modules(policy.shardable_modules(), "cpu")
         stats, optimizer = update(policy, actions, CFG)
         policy.save(out / "checkpoint", write=rank == 0)
@@ -60,16 +59,10 @@ def _rank(rank: int, port: int, mode: str, actions: list[Action], out: Path) -> 
         torch.distributed.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_two_ranks_take_the_single_process_steps(mode: str, tmp_path: Path) -> None:
-    actions = sampled_actions(make_policy(), "solver", len(SCORES), seed=11)
-    policy = make_policy(mode)
+    actions = sampled_actions(update_policy(), "solver", len(SCORES), seed=11)
+    policy = update_policy(mode)
     before = [p.detach().clone() for p in policy.trainable_parameters("solver")]
     stats, optimizer = update(policy, actions, CFG)
     assert stats["optimizer_steps"] == 3 and stats["clip_frac"] > 0  # several steps, the clip acting
@@ -94,7 +87,7 @@ def test_two_ranks_take_the_single_process_steps(mode: str, tmp_path: Path) -> N
             torch.testing.assert_close(got["again"]["state"][i][k], moments[k])  # loaded back into the shards
 
     # The sharded ranks' checkpoint is an ordinary one: an unsharded policy loads the trained weights from it.
-    fresh = make_policy(mode)
+    fresh = update_policy(mode)
     fresh.load_weights(tmp_path / "checkpoint")
     for p, q in zip(trained, fresh.trainable_parameters("solver"), strict=True):
         torch.testing.assert_close(q, p.detach(), rtol=1e-4, atol=5e-5)  # the same tolerance as above
@@ -109,7 +102,7 @@ def test_without_a_process_group_nothing_is_sharded() -> None:
 
 
 def test_sharding_without_ray_is_a_one_line_error(tmp_path: Path) -> None:
-    from test_cli import mappa, one_line_error
+    from helpers import mappa, one_line_error
 
     run_dir = tmp_path / "run"
     line = one_line_error(

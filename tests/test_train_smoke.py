@@ -8,30 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import sampled_actions, tiny_cfg, train_cfg, update_policy
 
-from mappa.config import Config, load_config
-from mappa.trainer import update_settings
-from mappa.types import Action, Message
-from mappa.update import update_group, update_groups
+from mappa.config import Config
+from mappa.training.trainer import update_settings
+from mappa.training.update import update_group, update_groups
 
 AGENTS = ("solver", "coder", "verifier")
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def make_policy(agent_weights: str = "lora"):
-    from mappa.models import tiny_model_and_tokenizer
-    from mappa.policy import Policy
-
-    model, tok = tiny_model_and_tokenizer(seed=0)
-    return Policy.from_model(model, tok, AGENTS, agent_weights=agent_weights, lora_r=4, lora_alpha=8, seed=0)
-
-
-def sampled_actions(policy, agent: str, n: int, seed: int) -> list[Action]:
-    convs = [[Message(role="user", content=f"What is {i} + {i}?")] for i in range(n)]
-    gens = policy.generate(agent, convs, max_new_tokens=6, temperature=1.0, seed=seed)
-    return [Action.sampled(agent, 0, c, g) for c, g in zip(convs, gens, strict=True)]
 
 
 def snapshot(params) -> list[torch.Tensor]:
@@ -44,7 +30,7 @@ def changed(before, params) -> bool:
 
 @pytest.mark.parametrize("agent_weights", ["lora", "full"])
 def test_two_updates_touch_only_the_trained_agent(agent_weights: str) -> None:
-    policy = make_policy(agent_weights)
+    policy = update_policy(agent_weights)
     cfg = Config().model_copy(update={"train": Config().train.model_copy(update={"micro_batch_size": 2})})
     base = [p for n, p in policy.model.named_parameters() if ".lora_" not in n]
     base_before = snapshot(base)
@@ -65,7 +51,7 @@ def test_two_updates_touch_only_the_trained_agent(agent_weights: str) -> None:
 
 
 def test_update_raises_the_probability_of_the_high_scored_action() -> None:
-    policy = make_policy()
+    policy = update_policy()
     cfg = Config()
     actions = sampled_actions(policy, "solver", 2, seed=3)
     opt = torch.optim.AdamW(policy.trainable_parameters("solver"), lr=5e-3)
@@ -88,20 +74,16 @@ def test_update_raises_the_probability_of_the_high_scored_action() -> None:
     assert after[0] - before[0] > 0 and after[1] - before[1] < 0
 
 
-def train_cfg(**train: object) -> Config:
-    return Config().model_copy(update={"train": Config().train.model_copy(update=train)})
-
-
 @pytest.mark.parametrize("recompute", [True, False])
 def test_second_mini_batch_leaves_ratio_one_and_a_large_lr_engages_the_clip(recompute: bool) -> None:
     """Two mini-batches of 4 actions: two optimizer steps on one rollout batch, both against the rollout-time
     log-probs. The first step sees the rollout weights (ratio 1, nothing clipped); the second sees weights one
     step later, so its ratio has moved, and after a large step the clip engages."""
     cfg = train_cfg(mini_batch_size=4, micro_batch_size=2, recompute_old_logprobs=recompute)
-    actions = sampled_actions(make_policy(), "solver", 8, seed=4)
+    actions = sampled_actions(update_policy(), "solver", 8, seed=4)
     steps: dict[float, list[dict[str, float]]] = {}
     for lr in (1e-3, 0.3):
-        policy = make_policy()  # the same initial weights for each learning rate
+        policy = update_policy()  # the same initial weights for each learning rate
         opt = torch.optim.AdamW(policy.trainable_parameters("solver"), lr=lr)
         steps[lr] = []
         scores = [10.0, 0.0, 7.0, 2.0] * 2
@@ -117,7 +99,7 @@ def test_second_mini_batch_leaves_ratio_one_and_a_large_lr_engages_the_clip(reco
 
 
 def test_update_shuffles_into_mini_batches_and_sets_each_steps_lr() -> None:
-    policy = make_policy()
+    policy = update_policy()
     actions = sampled_actions(policy, "coder", 5, seed=2)
     opt = torch.optim.AdamW(policy.trainable_parameters("coder"), lr=1.0)
     steps: list[dict[str, float]] = []
@@ -137,36 +119,11 @@ def test_update_groups() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- end to end
-def tiny_cfg(tmp_path: Path, *overrides: str) -> Config:
-    return load_config(
-        None,
-        [
-            "model.name=tiny-random",
-            "model.lora_r=4",
-            "model.lora_alpha=8",
-            "generation.max_new_tokens=12",
-            "generation.max_context_tokens=1024",
-            "sandbox.pool=false",
-            "sandbox.timeout_s=5",
-            "coach.backend=rubric",
-            "coach.cache=false",
-            "tasks.arithmetic_train_size=16",
-            "tasks.arithmetic_eval_size=2",
-            "train.steps=2",
-            "train.prompts_per_step=2",
-            "train.samples_per_prompt=1",
-            "train.drop_truncated=false",
-            "train.lr=1e-2",
-            "logging.tensorboard=true",
-            f"run_dir={tmp_path / 'run'}",
-            *overrides,
-        ],
-    )
 
 
 def test_train_two_steps_end_to_end(tmp_path: Path) -> None:
-    from mappa.policy import Policy
-    from mappa.trainer import train
+    from mappa.policy.policy import Policy
+    from mappa.training.trainer import train
 
     cfg = tiny_cfg(tmp_path)
     run_dir = tmp_path / "run"

@@ -1,7 +1,7 @@
 """The update's arithmetic on a tiny random Llama: gradient accumulation is exact (micro-batch 1 and N give the
 gradient of the whole mini-batch's token-mean loss, which is `rl.clipped_pg_loss` on the whole batch), the
-settings the trainer resolves (`mappa.trainer.update_settings`) are the ones the update acts on, whether the old
-log-probs are recomputed is one rule fed by what the generator says of itself, each group's result is one typed
+settings the trainer resolves (`mappa.training.trainer.update_settings`) are the ones the update acts on, whether the
+old log-probs are recomputed is one rule fed by what the generator says of itself, each group's result is one typed
 record, and the `shared` single-policy baseline goes through the real training loop."""
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from test_train_smoke import make_policy, sampled_actions, tiny_cfg, train_cfg
+from helpers import sampled_actions, tiny_cfg, train_cfg, update_policy
 
-from mappa import rl
 from mappa.config import Config
 from mappa.generation import LocalGenerator, ServerGenerator
-from mappa.trainer import update_settings
-from mappa.types import Action
-from mappa.update import (
+from mappa.training import rl
+from mappa.training.trainer import update_settings
+from mappa.training.update import (
     GroupResult,
     UpdateJob,
     UpdateSettings,
@@ -28,6 +27,7 @@ from mappa.update import (
     recomputes_old_logprobs,
     update_group,
 )
+from mappa.types import Action
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -39,7 +39,7 @@ def ragged_actions() -> list[Action]:
     log-probs that are off by a seeded noise, so the PPO ratio leaves 1 and the clip acts."""
     gen = torch.Generator().manual_seed(5)
     out = []
-    for i, a in enumerate(sampled_actions(make_policy(), "solver", len(SCORES), seed=11)):
+    for i, a in enumerate(sampled_actions(update_policy(), "solver", len(SCORES), seed=11)):
         k = 2 + i % 5
         noise = (torch.randn(k, generator=gen) * 0.3).tolist()
         logprobs = tuple(lp + d for lp, d in zip(a.logprobs[:k], noise, strict=True))
@@ -52,7 +52,7 @@ def one_step(
     actions: list[Action], micro: int, aggregation: str = "token"
 ) -> tuple[dict[str, float], list[torch.Tensor]]:
     """One optimizer step over the whole batch; returns its stats and the gradient (SGD at lr 1: the step)."""
-    policy = make_policy()
+    policy = update_policy()
     params = policy.trainable_parameters("solver")
     before = [p.detach().clone() for p in params]
     cfg = train_cfg(
@@ -71,7 +71,7 @@ def whole_batch(
 ) -> tuple[torch.Tensor, dict[str, float], list[torch.Tensor]]:
     """The same update written out: advantages over the batch, one forward, `rl.clipped_pg_loss`, backward."""
     cfg = train_cfg().train
-    policy = make_policy()
+    policy = update_policy()
     prompts, responses = [a.prompt_ids for a in actions], [a.response_ids for a in actions]
     ref, mask = policy.sequence_logprobs(None, prompts, responses)
     old = torch.nn.utils.rnn.pad_sequence([torch.tensor(a.logprobs) for a in actions], batch_first=True)
@@ -127,7 +127,7 @@ def test_the_trainer_resolves_what_the_update_reads_from_the_config() -> None:
 
 
 def _bf16_copies() -> Any:
-    policy = make_policy()
+    policy = update_policy()
     policy.sample_from_copies(torch.bfloat16)
     return policy
 
@@ -144,13 +144,13 @@ def _bf16_copies() -> Any:
 def test_one_rule_decides_whether_the_old_logprobs_are_recomputed(
     generator: str, asked: bool, recomputes: bool
 ) -> None:
-    """`mappa.update.recomputes_old_logprobs`, fed what the run's generator says of itself: a server always
+    """`mappa.training.update.recomputes_old_logprobs`, fed what the run's generator says of itself: a server always
     recomputes, bfloat16 sampling copies recompute, float32 local generation does not unless asked; under the
     update's own bfloat16 autocast every one recomputes."""
     if generator == "server":
         exact = ServerGenerator.samples_exactly
     else:
-        policy = _bf16_copies() if generator == "bfloat16 copies" else make_policy()
+        policy = _bf16_copies() if generator == "bfloat16 copies" else update_policy()
         engine = LocalGenerator(policy)
         try:
             exact = engine.samples_exactly
@@ -166,7 +166,7 @@ def test_the_update_acts_on_the_resolved_decisions(exact: bool) -> None:
     """Generation-time log-probs off by noise, `train.recompute_old_logprobs` off: from a generator that does not
     sample exactly they are recomputed, the first step's ratio is 1 and nothing clips, and the reported gap is the
     noise; from one that does they are taken as they are, the ratio leaves 1 and the clip acts."""
-    actions, policy = ragged_actions(), make_policy()
+    actions, policy = ragged_actions(), update_policy()
     exact_lp, _ = policy.sequence_logprobs(
         "solver", [a.prompt_ids for a in actions], [a.response_ids for a in actions]
     )
@@ -187,7 +187,7 @@ def test_the_update_acts_on_the_resolved_decisions(exact: bool) -> None:
 def test_a_groups_result_holds_its_selection_rewards_and_update() -> None:
     """`apply_update` returns one typed record per group: what trained, what was left out and why, the rewards'
     mean and spread, and the update's numbers; a group with nothing to train takes no optimizer step."""
-    actions, policy = ragged_actions()[:4], make_policy()
+    actions, policy = ragged_actions()[:4], update_policy()
     optimizer = torch.optim.AdamW(policy.trainable_parameters("solver"), lr=1e-3)
     settings = update_settings(train_cfg(mini_batch_size=2), True)
     dropped = {"empty": 0, "infra_error": 1, "truncated": 2, "unscored": 0}
@@ -218,10 +218,10 @@ def test_logprob_gap_counts_only_the_tokens_given() -> None:
 def test_shared_weights_train_two_steps_through_the_loop(tmp_path: Path) -> None:
     """`model.agent_weights: shared`: one adapter and one optimizer for all three agents, fed every agent's
     actions; the checkpoint reloads as one set of weights that moved."""
-    from mappa.policy import Policy
-    from mappa.trainer import train
+    from mappa.policy.policy import Policy
+    from mappa.training.trainer import train
 
-    cfg = tiny_cfg(tmp_path, "model.agent_weights=shared", "logging.tensorboard=false")
+    cfg = tiny_cfg(tmp_path, "model.agent_weights=shared", "logging.report_to=[]")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     train(cfg, run_dir)
@@ -244,3 +244,27 @@ def test_shared_weights_train_two_steps_through_the_loop(tmp_path: Path) -> None
     assert any(
         not torch.equal(p, q) for p, q in zip(first, fresh.trainable_parameters(trained.agents[0]), strict=True)
     )
+
+
+def test_each_update_group_whitens_its_own_batch() -> None:
+    """Two groups updated one after the other, as a step does (`apply_update` per group): the solver's update is
+    the same whatever the coder's scores were, while one group holding both batches would have changed it."""
+    cfg = train_cfg(mini_batch_size=8, lr=1e-2)
+    settings = update_settings(cfg, True)
+
+    def solver_after(coder_scores: list[float], pooled: bool = False) -> tuple[float, list[torch.Tensor]]:
+        policy = update_policy()
+        solver, coder = sampled_actions(policy, "solver", 4, seed=1), sampled_actions(policy, "coder", 4, seed=2)
+        scores = [9.0, 1.0, 6.0, 3.0]
+        opt = {a: torch.optim.AdamW(policy.trainable_parameters(a), lr=1e-2) for a in ("solver", "coder")}
+        if pooled:  # the coder's actions whitened with the solver's, in one group
+            stats = update_group(policy, opt["solver"], solver + coder, scores + coder_scores, settings)
+            return stats.advantage_abs, [p.detach().clone() for p in policy.trainable_parameters("solver")]
+        apply_update(policy, opt["coder"], UpdateJob(coder, coder_scores, 0, 1e-2, 0, settings))
+        result = apply_update(policy, opt["solver"], UpdateJob(solver, scores, 0, 1e-2, 0, settings))
+        return result.update.advantage_abs, [p.detach().clone() for p in policy.trainable_parameters("solver")]
+
+    calm, moved = solver_after([5.0, 5.0, 5.0, 5.0]), solver_after([10.0, 0.0, 10.0, 0.0])
+    assert calm[0] == moved[0]
+    assert all(torch.equal(a, b) for a, b in zip(calm[1], moved[1], strict=True))
+    assert solver_after([10.0, 0.0, 10.0, 0.0], pooled=True)[0] != calm[0]

@@ -8,27 +8,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from fakes import Reply, ScriptedPolicy
+from helpers import GEN, RecordingSandbox, ScriptedPolicy, ScriptedScorer, py, script, task
 
-from mappa.config import GenerationConfig, SandboxConfig, WorkflowConfig, load_config
+from mappa.config import SandboxConfig, WorkflowConfig, load_config
 from mappa.errors import MappaError
 from mappa.generation import PolicyGenerator
 from mappa.protocols import Runtime
 from mappa.sandbox import Sandbox
-from mappa.types import CoachContext, CoachScore, Episode, ExecResult, Message, Task
+from mappa.types import CoachScore, Episode, ExecResult, Message
 from mappa.workflows import WORKFLOWS, MathChat, build_workflow, feedback_note, play
-
-
-class RecordingSandbox(Sandbox):
-    """The real sandbox, counting how many batches of snippets it was handed."""
-
-    def __init__(self, cfg: SandboxConfig) -> None:
-        super().__init__(cfg)
-        self.batches: list[int] = []
-
-    def run_many(self, items):  # type: ignore[no-untyped-def]
-        self.batches.append(len(items))
-        return super().run_many(items)
 
 
 @pytest.fixture(scope="module")
@@ -36,33 +24,6 @@ def sandbox():
     box = RecordingSandbox(SandboxConfig(timeout_s=10, concurrency=2, pool=False))
     yield box
     box.close()
-
-
-GEN = GenerationConfig(max_new_tokens=200, max_context_tokens=1024, batch_size=8)
-
-
-def task(answer: str = "42", problem: str = "What is 6 * 7?", tid: str = "t") -> Task:
-    return Task(id=tid, problem=problem, answer=answer, source="test")
-
-
-def py(code: str) -> str:
-    return f"Let me compute.\n```python\n{code}\n```"
-
-
-def script(
-    solver: str = "I think it is 42.", coder: Sequence[str] = ("Done.",), verifier: str = "\\boxed{42}"
-) -> Reply:
-    """Fixed replies per agent; the Code Executor's reply depends on its turn (its count of user turns)."""
-
-    def reply(agent: str | None, conv: Sequence[Message]) -> str:
-        if agent == "problem_solver":
-            return solver
-        if agent == "code_executor":
-            turn = sum(m.role == "user" for m in conv) - 1
-            return coder[min(turn, len(coder) - 1)]
-        return verifier
-
-    return reply
 
 
 def run(policy, tasks, sandbox, **kw) -> list[Episode]:  # type: ignore[no-untyped-def]
@@ -213,13 +174,6 @@ def test_episodes_play_at_once_and_none_waits_for_another(sandbox: RecordingSand
 
 
 # ------------------------------------------------------------------------------------------------- the coach
-class ScriptedScorer:
-    def __init__(self) -> None:
-        self.calls: list[list[CoachContext]] = []
-
-    def __call__(self, contexts: Sequence[CoachContext]) -> list[CoachScore]:
-        self.calls.append(list(contexts))
-        return [CoachScore(score=len(self.calls), rationale=f"note-{c.agent}-{len(self.calls)}") for c in contexts]
 
 
 def test_every_action_is_scored_as_it_lands_with_ground_truth_only_for_the_verifier(

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mappa.errors import MappaError
-from mappa.sandbox.codeblocks import format_observation
 from mappa.types import ExecResult, Task
+from mappa.workflows.codeblocks import format_observation
 
 _TEST_LINE = "assert CALL == VALUE, e.g. assert add(2, 3) == 5"
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
-from mappa.sandbox.codeblocks import extract_code_blocks
 from mappa.workflows.base import AgentSpec
+from mappa.workflows.codeblocks import extract_code_blocks
 
 _TEAM = "a programming team of two agents: Coder, then Reviewer"
 

@@ -45,10 +45,10 @@ from roles import CODER, REVIEWER, solution, verdict
 from mappa.config import SandboxConfig, WorkflowConfig
 from mappa.errors import MappaError
 from mappa.sandbox import new_workspace, remove_workspace
-from mappa.sandbox.codeblocks import format_observation
 from mappa.types import Action, CoachContext, Episode, Message, Task
 from mappa.workflows import Team, Tools
 from mappa.workflows.base import AgentSpec, action_context, clip_middle
+from mappa.workflows.codeblocks import format_observation
 
 OPTIONS = {"show_example_result": True}
 

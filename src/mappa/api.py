@@ -16,10 +16,10 @@ one line per evaluation and per step, the held-out gain at the end); `quiet=True
 
 Before anything is written, the sandbox is checked: for tasks whose answers live in files, agent code must not
 reach them (`check_hidden_answers`), and the config's tasks are loaded (a bad task file stops here). Then the run
-directory is made (`cfg.run_dir`, or `run_dir`; marked as mappa's, `mappa.tracking.require_run_dir`), the objects
-handed in are recorded in its run.json by import path, and the run trains (`mappa.trainer.train`). A start that
-fails before the run's first evaluation (the model, the sandbox, the coach, the self-test) removes the directory
-again; a resume takes only a directory mappa made.
+directory is made (`cfg.run_dir`, or `run_dir`; marked as mappa's, `mappa.training.tracking.require_run_dir`), the
+objects handed in are recorded in its run.json by import path, and the run trains (`mappa.training.trainer.train`).
+A start that fails before the run's first evaluation (the model, the sandbox, the coach, the self-test) removes the
+directory again; a resume takes only a directory mappa made.
 """
 
 from __future__ import annotations
@@ -33,20 +33,20 @@ from typing import Any
 
 from mappa.config import Config
 from mappa.errors import MappaError
-from mappa.evaluate import eval_tasks as config_eval_tasks
 from mappa.generation import check_backend
 from mappa.metrics import wilson_interval
 from mappa.progress import ProgressLines
 from mappa.protocols import ProgressFn, Workflow
-from mappa.rollout import train_tasks as config_train_tasks
 from mappa.sandbox import describe_confinement, guard_hidden_answers, guard_task_tables
 from mappa.sandbox.confine import Confinement, detect_confinement
 from mappa.tasks import answer_locations
-from mappa.tracking import StepResult, require_run_dir, run_config, run_json, started_run_dir, update_run_json
-from mappa.trainer import Event, Parts, TrainResult
-from mappa.trainer import train as train_run
+from mappa.tasks.sampler import train_tasks as config_train_tasks
+from mappa.training.evaluate import eval_tasks as config_eval_tasks
+from mappa.training.tracking import StepResult, require_run_dir, run_config, run_json, started_run_dir, update_run_json
+from mappa.training.trainer import Event, Parts, TrainResult
+from mappa.training.trainer import train as train_run
+from mappa.training.update import config_groups
 from mappa.types import Task
-from mappa.update import config_groups
 from mappa.workflows import build_workflow
 
 PYTHON_OBJECTS = "python_objects"  # run.json key: the parts handed in from Python, which a resume needs again
@@ -217,7 +217,7 @@ def train(
     `workflow`: a built workflow (`mappa.protocols.Workflow`); `coach`: a coach instance, class, factory or a
     reward function ctx -> 0-10 | None (`mappa.coach.plugin`); `train_tasks` / `eval_tasks`: lists of Task. Each
     replaces what the config names. `resume=True` continues `run_dir` from its last checkpoint (`cfg` None: the
-    run's own config.yaml, with `overrides`). `emit` receives the run's events (`mappa.trainer.Event`) and
+    run's own config.yaml, with `overrides`). `emit` receives the run's events (`mappa.training.trainer.Event`) and
     `progress` the actions played `(done, total)`; without `emit` they are printed (`ConsoleLines`), unless `quiet`.
     `place`: a Ray cluster (`mappa.distributed.placement`)."""
     console = ConsoleLines() if emit is None and not quiet else None

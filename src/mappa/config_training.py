@@ -118,36 +118,11 @@ class LoggingConfig(Section):
     )
     project: str = Field("mappa", min_length=1, description="W&B project, MLflow experiment and trackio project.")
 
-    @model_validator(mode="before")
+    @field_validator("report_to", mode="before")
     @classmethod
-    def _old_keys(cls, data: Any) -> Any:
-        """`report_to: wandb,mlflow` (one string, as `--set` gives it) is a list; the keys of earlier versions
-        are still read (old runs' config.yaml has them): `tensorboard: true/false` adds/removes tensorboard in
-        report_to, `wandb_project: NAME` adds wandb and sets project."""
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        report_to = data.get("report_to", ["tensorboard"])
-        if isinstance(report_to, str):
-            data["report_to"] = report_to = [r.strip() for r in report_to.split(",") if r.strip()]
-        if not isinstance(report_to, list) or not {"tensorboard", "wandb_project"} & data.keys():
-            return data  # a wrong type is pydantic's to name
-        report_to = list(report_to)
-        tensorboard = data.pop("tensorboard", None)
-        if tensorboard is not None and not isinstance(tensorboard, bool):
-            raise ValueError(f"tensorboard must be true or false, got {tensorboard!r} (or use report_to)")
-        if tensorboard and "tensorboard" not in report_to:
-            report_to.append("tensorboard")
-        elif tensorboard is False:
-            report_to = [r for r in report_to if r != "tensorboard"]
-        project = data.pop("wandb_project", None)
-        if project is not None:
-            if data.get("project", project) != project:
-                raise ValueError(f"wandb_project={project!r} and project={data['project']!r}: keep only project")
-            report_to += [] if "wandb" in report_to else ["wandb"]
-            data["project"] = project
-        data["report_to"] = report_to
-        return data
+    def _comma_list(cls, value: Any) -> Any:
+        """`report_to: wandb,mlflow` (one string, as `--set` gives it) is a list."""
+        return [r.strip() for r in value.split(",") if r.strip()] if isinstance(value, str) else value
 
     @field_validator("report_to")
     @classmethod

@@ -7,7 +7,7 @@ Layout of an export directory:
   base/       only when the run's base had no name to load it by (an in-memory model): its weights
   README.md   model card: the run's settings (config.yaml), the checkpoint's evaluation, the serve line
 
-Adapters name their base as the run's `model.name` gave it (`mappa.models.public_name`: the embedded SmolLM2 as
+Adapters name their base as the run's `model.name` gave it (`mappa.policy.models.public_name`: the embedded SmolLM2 as
 its hub id HuggingFaceTB/SmolLM2-135M-Instruct), so `vllm serve <base> --enable-lora --lora-modules ...` and peft's
 AutoPeftModelForCausalLM find it. The embedded weights are that model's Q4_1 GGUF, dequantized: on the hub
 original an adapter answers close to, not exactly as, the trained agent; a merged export holds the exact weights.
@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mappa.checkpoint import latest_checkpoint
 from mappa.config import Config
 from mappa.errors import MappaError
-from mappa.evaluate import eval_gain, policy_dir
-from mappa.models import load_base_model, public_name
-from mappa.policy_files import read_manifest
-from mappa.tracking import read_metrics, run_config
+from mappa.policy.models import load_base_model, public_name
+from mappa.policy.storage import read_manifest
+from mappa.training.checkpoint import latest_checkpoint
+from mappa.training.evaluate import eval_gain, policy_dir
+from mappa.training.tracking import read_metrics, run_config
 
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's --max-lora-rank accepts
 _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -171,7 +171,7 @@ def _save_merged(adapter: Path, base: str, dtype: str, init_kwargs: dict[str, An
 
 def _save_full(weights: Path, agents: list[str], out: Path, progress: Callable[[str], None]) -> None:
     """Full-weight agents: each one's own copy of the model, with the tokenizer."""
-    from mappa.policy import Policy
+    from mappa.policy.policy import Policy
 
     progress(f"loading {weights}")
     policy = Policy.from_checkpoint(weights, device="auto")
@@ -240,7 +240,7 @@ def serve_lines(
 
 def evaluation(run_dir: Path, step: int | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """(the eval/summary.jsonl record of `step`, else the last one or None; the eval/gain row of `step` in
-    metrics.jsonl, or None), as `mappa.evaluate.write_eval` and the trainer write them."""
+    metrics.jsonl, or None), as `mappa.training.evaluate.write_eval` and the trainer write them."""
     rows = []
     path = run_dir / "eval" / "summary.jsonl"
     for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:

@@ -314,15 +314,6 @@ def mean_interval(values: Sequence[float], z: float = Z95) -> tuple[float, tuple
     return mean, (mean - half, mean + half)
 
 
-def difference_interval(
-    a: tuple[float, tuple[float, float]], b: tuple[float, tuple[float, float]]
-) -> tuple[float, tuple[float, float]]:
-    """b - a of two independent normal estimates `(value, (low, high))`, the half-widths added in quadrature."""
-    (va, (la, ha)), (vb, (lb, hb)) = a, b
-    half = math.hypot((ha - la) / 2, (hb - lb) / 2)
-    return vb - va, (vb - va - half, vb - va + half)
-
-
 @dataclass(frozen=True)
 class Trend:
     """A least-squares line through (x, y): `rise` is the fitted change from the first x to the last."""

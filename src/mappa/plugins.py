@@ -101,8 +101,10 @@ def _import_file(path: Path, key: str) -> Any:
     module_name = _module_name(path)
     if module_name in sys.modules:  # its own name, given when the file was loaded before
         return sys.modules[module_name]
-    if str(path.parent) not in sys.path:  # its sibling modules import as they would next to a script
-        sys.path.insert(0, str(path.parent))
+    # Its sibling modules import as they would next to a script; appended, so that a sibling named like a module of
+    # the standard library or an installed package (a `json.py`) never shadows it, here or in a spawned process.
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise MappaError(f"{key}: cannot import {path} (not a Python file)")

@@ -24,7 +24,7 @@ Scorer = Callable[[Sequence[CoachContext]], list[CoachScore]]
 
 
 class GenerationLike(Protocol):
-    """One sampled response (`mappa.policy.Generation`), read-only."""
+    """One sampled response (`mappa.policy.policy.Generation`), read-only."""
 
     @property
     def prompt_ids(self) -> tuple[int, ...]: ...  # (P,) chat-templated prompt
@@ -175,12 +175,12 @@ StatusFn = Callable[[str], None]
 
 
 class Engine(Protocol):
-    """Where a training run's work happens: `mappa.engine.LocalEngine` (this process) or
-    `mappa.distributed.Cluster` (Ray actors). `mappa.trainer` drives one through these calls only, so the loop
+    """Where a training run's work happens: `mappa.training.engine.LocalEngine` (this process) or
+    `mappa.distributed.Cluster` (Ray actors). `mappa.training.trainer` drives one through these calls only, so the loop
     reads the same either way; both keep a checkpoint's files identical, so a run resumes under either."""
 
     # its episodes' log-probs are a training forward pass's (every generator's `samples_exactly`): else the update
-    # recomputes them (`mappa.update.recomputes_old_logprobs`)
+    # recomputes them (`mappa.training.update.recomputes_old_logprobs`)
     samples_exactly: bool
 
     def play(self, tasks: Sequence[Task], seed: int, progress: ProgressFn | None = None) -> list[Episode]:
@@ -188,8 +188,8 @@ class Engine(Protocol):
         ...
 
     def update(self, jobs: dict[str, Any], status: StatusFn | None = None) -> dict[str, Any]:
-        """Each update group's job (`mappa.update.UpdateJob`) applied to its weights; a `mappa.update.GroupResult`
-        per group."""
+        """Each update group's job (`mappa.training.update.UpdateJob`) applied to its weights; a
+        `mappa.training.update.GroupResult` per group."""
         ...
 
     def step_sync(self, version: int) -> dict[str, float]:
@@ -200,11 +200,11 @@ class Engine(Protocol):
     def evaluate(
         self, tasks: Sequence[Task], progress: ProgressFn | None = None
     ) -> tuple[dict[str, float], list[Episode]]:
-        """`mappa.evaluate.evaluate` on the held-out tasks: its metrics and episodes."""
+        """`mappa.training.evaluate.evaluate` on the held-out tasks: its metrics and episodes."""
         ...
 
     def self_test(self) -> list[str]:
-        """The start-up checks (`mappa.selftest`) of the weights, sandbox and coach; a line per check."""
+        """The start-up checks (`mappa.training.selftest`) of the weights, sandbox and coach; a line per check."""
         ...
 
     def stats(self) -> dict[str, float]:
@@ -212,11 +212,12 @@ class Engine(Protocol):
         ...
 
     def save_checkpoint(self, run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-        """`mappa.checkpoint.save_checkpoint` of the weights and optimizers with `state`; its directory."""
+        """`mappa.training.checkpoint.save_checkpoint` of the weights and optimizers with `state`; its directory."""
         ...
 
     def restore_checkpoint(self, run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
-        """`mappa.checkpoint.restore_run` into the weights and optimizers: (checkpoint, state.json) or None."""
+        """`mappa.training.checkpoint.restore_run` into the weights and optimizers: (checkpoint, state.json) or
+        None."""
         ...
 
     def close(self) -> None: ...

@@ -1,12 +1,12 @@
-"""Rollouts: draw tasks (`pick_tasks`, the one task sampler), build what plays them (`build_kit`), and the run
+"""Rollouts: build what plays tasks (`build_kit`; the tasks are drawn by `mappa.tasks.sampler`), and the run
 behind `mappa rollout` (`rollout`), which plays them with the configured coach and writes episodes to JSONL as
 each batch finishes.
 
 `build_kit(cfg, agents, ...)` is the one constructor of the parts that play and score episodes: the policies (one
-per base model, `mappa.policies`; from the config or a checkpoint), what episodes sample from (the policies, or a
-generation server), the coach and the sandbox. The training run in this process (`mappa.engine.LocalEngine`), the Ray actors
-(`mappa.distributed.actors`), `mappa rollout` and `mappa eval` all build them here, so they load, seed and
-template the same way.
+per base model, `mappa.policy.team`; from the config or a checkpoint), what episodes sample from (the policies, or a
+generation server), the coach and the sandbox. The training run in this process (`mappa.training.engine.LocalEngine`),
+the Ray actors (`mappa.distributed.actors`), `mappa rollout` and `mappa eval` all build them here, so they load, seed
+and template the same way.
 
 Sampling is seeded per call (`play(..., seed=s)`), never through the process's global RNG, so a
 rollout depends on the weights, the tasks and its seed, not on whatever ran before it.
@@ -14,76 +14,24 @@ rollout depends on the weights, the tasks and its seed, not on whatever ran befo
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mappa import precision, sharding
 from mappa.config import Config
 from mappa.errors import MappaError
+from mappa.policy import precision, sharding
+from mappa.policy.sampling_copies import choose_dtype
 from mappa.protocols import Generator, ProgressFn, Runtime, Workflow
-from mappa.sampling_copies import choose_dtype
 from mappa.types import Episode, Task, write_jsonl
 
 if TYPE_CHECKING:
     from mappa.coach import CoachRunner
-    from mappa.policies import Policies
-    from mappa.policy import Policy
+    from mappa.policy.policy import Policy
+    from mappa.policy.team import Policies
     from mappa.sandbox import Sandbox
-
-
-def pick_tasks(tasks: Sequence[Task], n: int, seed: int, start: int = 0, stratify_by: str = "") -> list[Task]:
-    """Tasks `start .. start+n` of an endless stream of seeded permutations of `tasks`, one per pass.
-
-    Every task comes once per pass before any repeats; a training run reads the stream in order with a
-    checkpointed cursor (`start`), so a resumed run draws exactly what an uninterrupted one would.
-    `stratify_by` (a `Task.meta` key, e.g. "data_type") spreads each stratum evenly over the pass, so any run
-    of consecutive draws holds each stratum in proportion, within one task.
-    """
-    if not tasks:
-        raise MappaError("no tasks to draw from")
-    out: list[Task] = []
-    order: list[int] = []
-    current = -1
-    for i in range(start, start + n):
-        passes, idx = divmod(i, len(tasks))
-        if passes != current:
-            order = _permutation(tasks, random.Random(seed * 1_000_003 + passes), stratify_by)
-            current = passes
-        out.append(tasks[order[idx]])
-    return out
-
-
-def _permutation(tasks: Sequence[Task], rng: random.Random, stratify_by: str) -> list[int]:
-    order = list(range(len(tasks)))
-    rng.shuffle(order)
-    if not stratify_by:
-        return order
-    strata: dict[str, list[int]] = {}
-    for i in order:
-        if stratify_by not in tasks[i].meta:
-            raise MappaError(f"train.stratify_by: task {tasks[i].id!r} has no meta[{stratify_by!r}]")
-        strata.setdefault(str(tasks[i].meta[stratify_by]), []).append(i)
-    # Systematic interleave: the k-th of a stratum's m tasks sits at (k + 1/2) / m of the pass; ties go to the
-    # strata in a seeded order.
-    rank = {name: r for r, name in enumerate(rng.sample(sorted(strata), len(strata)))}
-    slots = [
-        ((k + 0.5) / len(members), rank[name], i) for name, members in strata.items() for k, i in enumerate(members)
-    ]
-    return [i for _, _, i in sorted(slots)]
-
-
-def train_tasks(cfg: Config) -> list[Task]:
-    """The configured training tasks; none is a one-line MappaError."""
-    from mappa.tasks import load_tasks
-
-    tasks = load_tasks(cfg.tasks.train, cfg.tasks, "train", cfg.seed)
-    if not tasks:
-        raise MappaError(f"tasks.train: no training tasks from {cfg.tasks.train}")
-    return tasks
 
 
 # ---------------------------------------------------------------------------------------------------- the parts
@@ -92,7 +40,7 @@ class Kit:
     """A run's parts: the weights, what episodes sample from, the coach and the code tool (None: not built)."""
 
     cfg: Config
-    policies: Policies  # one Policy per base model, every agent on its own base's (`mappa.policies`)
+    policies: Policies  # one Policy per base model, every agent on its own base's (`mappa.policy.team`)
     generator: Generator  # the policies, continuously batched, or a generation server's client (`mappa.generation`)
     coach: CoachRunner | None = None
     sandbox: Sandbox | None = None
@@ -119,8 +67,9 @@ class Kit:
         )  # fmt: skip
 
     def self_test(self, agents: Sequence[str], workflow: str) -> list[str]:
-        """`mappa.selftest.run_self_test` of these parts (the coach and sandbox built), at the run's temperature."""
-        from mappa.selftest import run_self_test
+        """`mappa.training.selftest.run_self_test` of these parts (the coach and sandbox built), at the run's
+        temperature."""
+        from mappa.training.selftest import run_self_test
 
         temperature, plugin = self.cfg.generation.temperature, self.plugin_coach
         score = self.coach.score_many
@@ -142,8 +91,8 @@ class Kit:
 def _load_policies(cfg: Config, agents: Sequence[str], device: str | None, weights: Path | None) -> Policies:
     """The configured base models with one set of weights per agent (seeded), or a checkpoint's `weights`
     directory (which names its own bases), which must hold every agent of `agents`."""
-    from mappa.policies import Policies
-    from mappa.policy_files import MANIFEST
+    from mappa.policy.storage import MANIFEST
+    from mappa.policy.team import Policies
 
     template = cfg.generation.chat_template_kwargs  # prompts templated as generation templates them
     if weights is not None:
@@ -166,7 +115,7 @@ def _load_policies(cfg: Config, agents: Sequence[str], device: str | None, weigh
 
 def sample_as_configured(policy: Policy, cfg: Config) -> None:
     """Have `policy` sample from copies as `generation.sampling_copy` says, given the update's precision on this
-    machine (`mappa.sampling_copies.choose_dtype`)."""
+    machine (`mappa.policy.sampling_copies.choose_dtype`)."""
     autocast = precision.autocast_dtype(cfg.train.cpu_autocast, policy.model)
     sharded = sharding.rank_world()[1] > 1
     policy.sample_from_copies(choose_dtype(cfg.generation.sampling_copy, policy.device.type, autocast, sharded))
@@ -184,7 +133,7 @@ def build_kit(
     A part that fails to start closes those built before it."""
     from mappa.coach import build_coach
     from mappa.generation import build_generator, local_generator
-    from mappa.policies import team_bases
+    from mappa.policy.team import team_bases
     from mappa.sandbox import Sandbox
 
     server = generator and cfg.generation.backend == "server"

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mappa.errors import MappaError
-from mappa.tracking import require_run_dir
+from mappa.training.tracking import require_run_dir
 from mappa.types import Action, Episode, read_jsonl
 
 

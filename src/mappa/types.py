@@ -130,7 +130,7 @@ class Action(Record):
 
     @classmethod
     def sampled(cls, agent: str, turn: int, messages: Sequence[Message], generation: Any, **fields: Any) -> Action:
-        """The action of one sampled response (a `mappa.policy.Generation`, or a server's) to `messages`."""
+        """The action of one sampled response (a `mappa.policy.policy.Generation`, or a server's) to `messages`."""
         g = generation
         return cls(agent=agent, turn=turn, messages=tuple(messages), text=g.text, prompt_ids=tuple(g.prompt_ids),
                    response_ids=tuple(g.response_ids), logprobs=tuple(g.logprobs), truncated=g.truncated, **fields)  # fmt: skip

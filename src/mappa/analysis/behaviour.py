@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mappa.analysis.runs import score_of, step_of
-from mappa.rewards import no_training_reason, untrained_groups
+from mappa.training.rewards import no_training_reason, untrained_groups
 from mappa.types import Action, Episode
 
 Series = dict[int, float]  # step -> value

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from mappa.config import Config
 from mappa.errors import MappaError
 from mappa.protocols import ProgressFn
-from mappa.tracking import run_config
+from mappa.training.tracking import run_config
 from mappa.types import Action, Episode, Message, Task
 
 PROBE_FILE = "probe.jsonl"
@@ -153,10 +153,11 @@ def vocab_logprobs(
     module: torch.nn.Module, prompts: Sequence[Sequence[int]], replies: Sequence[Sequence[int]], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T, V) log-probabilities over the whole vocabulary at each reply position, for replies laid out as the
-    training forward lays them out (`mappa.decoding.response_layout`), and the (B, T) mask of real reply tokens."""
+    training forward lays them out (`mappa.policy.decoding.response_layout`), and the (B, T) mask of real reply
+    tokens."""
     import torch
 
-    from mappa.decoding import response_layout
+    from mappa.policy.decoding import response_layout
 
     device = next(module.parameters()).device
     ids, attn, positions, mask = response_layout(prompts, replies, pad_id, device)
@@ -174,7 +175,7 @@ def kl_to_base(
     weights and one with the base's, not two per reply."""
     import torch
 
-    from mappa.decoding import length_batches
+    from mappa.policy.decoding import length_batches
 
     gens = policy.generate(
         agent, prompts, temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens, max_context_tokens=None, seed=seed
@@ -320,7 +321,7 @@ def probe_run(
     if not todo and not with_base:
         return ProbeSummary(path, [], skipped, rows)
 
-    from mappa.policy import Policy
+    from mappa.policy.policy import Policy
 
     first = (todo or found[-1:])[0][1]
     policy = Policy.from_checkpoint(first / "policy", device=cfg.model.device)

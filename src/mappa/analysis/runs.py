@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from mappa.config import AnalysisConfig, config_from_dict
 from mappa.errors import MappaError
-from mappa.tracking import require_run_dir
+from mappa.training.tracking import require_run_dir
 from mappa.types import Action, Episode, Task
 
 STRATA = ("source", "data_type", "difficulty")

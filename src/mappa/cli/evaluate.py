@@ -19,11 +19,11 @@ from rich.table import Table
 from mappa.cli.confinement import print_confinement
 from mappa.config import Config
 from mappa.errors import MappaError
-from mappa.evaluate import eval_tasks, evaluate, policy_dir, write_eval
 from mappa.metrics import PAPER_FIGURES, sources, wilson_interval
 from mappa.progress import ProgressLines
 from mappa.protocols import ProgressFn
-from mappa.tracking import run_dir_problem
+from mappa.training.evaluate import eval_tasks, evaluate, policy_dir, write_eval
+from mappa.training.tracking import run_dir_problem
 
 COLUMNS = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
 
@@ -46,7 +46,7 @@ def action_bar(console: Console, label: str) -> Iterator[ProgressFn]:
 
 def pct_ci(metrics: dict[str, float], key: str) -> str:
     """`20.3% [12.3, 31.7]`: the accuracy under `key` with its 95% interval in percent: the one counting tasks
-    (`mappa.evaluate.accuracy_intervals`) where the metrics hold it, else Wilson over the episodes."""
+    (`mappa.training.evaluate.accuracy_intervals`) where the metrics hold it, else Wilson over the episodes."""
     p, n = metrics[f"{key}/accuracy"], metrics[f"{key}/episodes"]
     if f"{key}/accuracy_ci_low" not in metrics:
         return share_ci(p, n)

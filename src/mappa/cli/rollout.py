@@ -20,7 +20,8 @@ from mappa.cli.evaluate import COLUMNS
 from mappa.config import Config
 from mappa.errors import MappaError
 from mappa.metrics import episode_metrics
-from mappa.rollout import pick_tasks, rollout, train_tasks
+from mappa.rollout import rollout
+from mappa.tasks.sampler import pick_tasks, train_tasks
 from mappa.workflows import build_workflow
 
 COACH_STATS = ("judgments", "calls", "cache_hits", "unscored", "failures")

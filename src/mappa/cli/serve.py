@@ -42,7 +42,7 @@ def serve_command(
     import uvicorn
     from rich.console import Console
 
-    from mappa.chat_engine import load_policy
+    from mappa.policy.chat_engine import load_policy
     from mappa.serving.server import Limits, bind, context_length, create_app, served_names
 
     roots = AdapterRoots(adapter_roots or default_adapter_roots(adapters))

@@ -23,16 +23,16 @@ from rich.console import Console
 from rich.progress import Progress, TaskID
 
 from mappa.api import train
-from mappa.checkpoint import latest_checkpoint
 from mappa.cli.evaluate import COLUMNS, print_eval
 from mappa.config import Config
 from mappa.errors import MappaError
 from mappa.metrics import Gain
 from mappa.progress import ProgressLines
-from mappa.rewards import no_training_reason
-from mappa.tracking import StepResult, is_run_dir, run_config
-from mappa.trainer import Event, TrainResult
-from mappa.update import UpdateStats
+from mappa.training.checkpoint import latest_checkpoint
+from mappa.training.rewards import no_training_reason
+from mappa.training.tracking import StepResult, is_run_dir, run_config
+from mappa.training.trainer import Event, TrainResult
+from mappa.training.update import UpdateStats
 
 NOTHING_TRAINED = 3  # the exit code of a run in which no agent trained on any action (docs/training.md)
 SCORES_LABEL = "mean coach score (0-10)"  # over the step table's agent columns
@@ -219,8 +219,8 @@ def train_command(cfg: Config | None, resume: str | None, overrides: list[str], 
     places the run's work on a Ray cluster (`mappa.distributed`).
 
     A thin layer over `mappa.train` (`mappa.api`): nothing is written before the arguments and the sandbox check
-    out, a resume takes only a directory mappa made as a run (`mappa.tracking.require_run_dir`) and rewrites its
-    config.yaml (with the --set overrides) only once its checkpoint has loaded and the self-test has passed."""
+    out, a resume takes only a directory mappa made as a run (`mappa.training.tracking.require_run_dir`) and rewrites
+    its config.yaml (with the --set overrides) only once its checkpoint has loaded and the self-test has passed."""
     place = None
     if ray is not None:  # a missing Ray is one line, before anything is written
         from mappa.distributed import placement

@@ -8,8 +8,8 @@ without log-probs, truncated contexts, latency, tokens, cost), and the score cap
 (`mappa.coach.caps`), enforced in code on every backend's score rather than left to the coach's compliance.
 
 Unscored is a first-class outcome, and the coach's alone: when a reply has no score line after one
-follow-up, or the endpoint fails after its retries, `CoachScore.score` is None. Nothing invents a 5.0; the
-trainer decides with `training_score(score, cfg.on_unscored)` whether such an action is skipped or neutral.
+follow-up, or the endpoint fails after its retries, `CoachScore.score` is None. Nothing here invents a score;
+`coach.on_unscored` decides whether such an action is left out of training or neutral (`mappa.training.rewards`).
 An action's own content never leaves it unscored (`mappa.coach.judge`: cut to fit, or the worst score), and
 the runner shows every coach the context's text readable (`readable_context`): a control character or lone
 surrogate an agent left could otherwise not be hashed, sent or read.
@@ -33,7 +33,7 @@ from mappa.protocols import CallCounters, Coach, ProgressFn
 from mappa.types import CoachContext, CoachScore
 
 if TYPE_CHECKING:
-    from mappa.policy import Policy
+    from mappa.policy.policy import Policy
 
 __all__ = [
     "COACHES",
@@ -44,18 +44,7 @@ __all__ = [
     "expected_score",
     "parse_answer_correct",
     "parse_score",
-    "training_score",
 ]
-
-
-def training_score(score: CoachScore | None, on_unscored: str = "skip") -> float | None:
-    """The reward in [0, 10] the trainer uses: None = leave the action out of training.
-
-    `on_unscored="neutral"` maps unscored actions to 5.0, an explicit user choice, never a default.
-    """
-    if score is not None and score.score is not None:
-        return score.score
-    return 5.0 if on_unscored == "neutral" else None
 
 
 def _percentile(values: Sequence[float], q: float) -> float:

@@ -30,7 +30,7 @@ from mappa.coach.prompts import ChatMessages, Template
 from mappa.coach.tokens import special_strings
 from mappa.config import CoachConfig
 from mappa.errors import MappaError
-from mappa.policy import Generation, Policy
+from mappa.policy.policy import Generation, Policy
 from mappa.types import Message
 
 TOP_LOGPROBS = 20
@@ -92,7 +92,7 @@ def coach_policy(cfg: CoachConfig, policy: Policy | None, dtype: torch.dtype | N
     """The model that coaches and its name: `coach.model` loaded here (in `dtype`; None: float32 on the CPU), else the
     trainer's policy (its frozen base)."""
     if cfg.model:
-        from mappa.models import load_base_model
+        from mappa.policy.models import load_base_model
 
         base, tokenizer = load_base_model(cfg.model, dtype=dtype)
         return Policy.from_model(base, tokenizer, [COACH_AGENT], base_name=cfg.model), cfg.model

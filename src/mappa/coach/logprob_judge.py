@@ -23,8 +23,9 @@ the generative judge it writes no analysis to think in, and it reads the model a
 
 Judgments that arrive together are read together (`mappa.coach.local.Batcher`, up to `coach.concurrency` a batch):
 one prefill in which the prompt opening every row shares (system prompt and rubric) runs once
-(`mappa.decoding.prefill`), in bfloat16 autocast on a CPU with native bfloat16 matmuls (`mappa.precision`).
-Cached like every judgment; the backend name `local-logprob` keeps its judgments apart from the generative ones.
+(`mappa.policy.decoding.prefill`), in bfloat16 autocast on a CPU with native bfloat16 matmuls
+(`mappa.policy.precision`). Cached like every judgment; the backend name `local-logprob` keeps its judgments apart from
+the generative ones.
 """
 
 from __future__ import annotations
@@ -36,14 +37,14 @@ from dataclasses import dataclass
 
 import torch
 
-from mappa import decoding
 from mappa.coach.judge import REQUEST_FAILED, RequestFailed, cut_note, prompt_or_worst
 from mappa.coach.local import Batcher, LocalCoach, as_messages
 from mappa.coach.prompts import Template
 from mappa.config import CoachConfig
 from mappa.errors import MappaError
-from mappa.policy import Policy
-from mappa.precision import autocast, autocast_dtype, cpu_has_native_bf16
+from mappa.policy import decoding
+from mappa.policy.policy import Policy
+from mappa.policy.precision import autocast, autocast_dtype, cpu_has_native_bf16
 from mappa.types import CoachContext, CoachScore
 
 VALUES = range(11)

@@ -10,7 +10,7 @@ strictly better than every trivial prediction, so a copy of sample_submission.cs
   episode's outcome by definition;
 - a non-final action with neither is unscored (never a guess).
 The trainer does not need these live scores: it gives every action its episode's outcome once the
-episode is over (`mappa.rewards.per_action_scores(episodes, "outcome")`).
+episode is over (`mappa.training.rewards.per_action_scores(episodes, "outcome")`).
 """
 
 from __future__ import annotations

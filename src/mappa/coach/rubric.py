@@ -43,14 +43,12 @@ RULES_VERSION = "rubric-v5"
 
 _BOXED_RE = re.compile(r"\\boxed\s*\{")
 _NUMBER_RE = re.compile(r"\d")
-_CODE_FENCE_RE = re.compile(r"```(?:python|py)\b", re.IGNORECASE)
 
 
 def _has_code(text: str) -> bool:
-    try:
-        from mappa.sandbox.codeblocks import extract_code_blocks
-    except ImportError:  # the sandbox module is optional for this rule: a fence is evidence enough
-        return bool(_CODE_FENCE_RE.search(text))
+    # The workflows' own fence rules, so the coach sees code exactly where the workflow would have run some.
+    from mappa.workflows.codeblocks import extract_code_blocks
+
     return bool(extract_code_blocks(text))
 
 

@@ -10,7 +10,7 @@ Weights travel as lists of tensors, one list per update group in the order of
 and every other actor copies them into its own policy (`copy_weights`), so after a step every actor holds the
 same weights as a local run would.
 
-A heterogeneous team (agents on several base models, `mappa.policies`): a trainer builds its group's base alone,
+A heterogeneous team (agents on several base models, `mappa.policy.team`): a trainer builds its group's base alone,
 with the agents on it (and copies in their weights only); a rollout worker holds every base.
 """
 
@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from mappa import sharding
 from mappa.config import Config
-from mappa.policies import Policies, team_bases
+from mappa.policy import sharding
+from mappa.policy.team import Policies, team_bases
 from mappa.rollout import Kit, build_kit
+from mappa.training.update import GroupResult, UpdateJob, apply_update, build_optimizer
 from mappa.types import Episode, Task
-from mappa.update import GroupResult, UpdateJob, apply_update, build_optimizer
 
 
 def _kit(cfg: Config, agents: Sequence[str], device: str, cpus: float, **parts: Any) -> Kit:
@@ -39,7 +39,8 @@ def _kit(cfg: Config, agents: Sequence[str], device: str, cpus: float, **parts: 
 
 
 def _policies(cfg: Config, agents: Sequence[str], device: str, cpus: float) -> Policies:
-    """A trainer's policies (`mappa.policies.Policies` of its one base): the kit's weights, without sandbox or coach."""
+    """A trainer's policies (`mappa.policy.team.Policies` of its one base): the kit's weights, without sandbox or
+    coach."""
     return _kit(cfg, agents, device, cpus, coach=False, sandbox=False).policies
 
 
@@ -81,7 +82,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.policy, agent, group, cfg.train)
 
     def update(self, job: UpdateJob) -> tuple[GroupResult, list[torch.Tensor]]:
-        """The group's update (`mappa.update.apply_update`); returns its result and the group's new weights
+        """The group's update (`mappa.training.update.apply_update`); returns its result and the group's new weights
         (sharded: the first rank's; the others return none)."""
         result, weights = apply_update(self.policy, self.optimizer, job), self.weights()
         return result, weights if self.rank == 0 else []
@@ -117,7 +118,8 @@ class Trainer:
 
 
 class ShardedTrainer(Trainer):
-    """One rank of an update group's trainer whose weights are sharded over `world` processes (`mappa.sharding`).
+    """One rank of an update group's trainer whose weights are sharded over `world` processes
+    (`mappa.policy.sharding`).
 
     Built in two calls, because every rank must know where the first one listens before any can join:
     `address()` on rank 0, then `setup(address)` on all of them at once. The policy is sharded before the
@@ -174,7 +176,7 @@ class RolloutWorker:
         return self.kit.generator.samples_exactly
 
     def evaluate(self, tasks: Sequence[Task]) -> list[Episode]:
-        from mappa.evaluate import evaluate
+        from mappa.training.evaluate import evaluate
 
         return evaluate(self.cfg, self.workflow, self.kit.generator, self.kit.sandbox, tasks)[1]
 

@@ -1,14 +1,14 @@
-"""A run placed on a Ray cluster: the `place` that `mappa.trainer.setup` calls with `mappa train --ray`.
+"""A run placed on a Ray cluster: the `place` that `mappa.training.trainer.setup` calls with `mappa train --ray`.
 
 `placement(address)` connects to Ray (`local`: a new one-machine cluster; `auto`: the running one; else
 its address), and places, in one placement group, one trainer per update group (`train.gpus_per_agent`
 GPUs and `ray.trainer_cpus` CPUs each; with `train.fsdp_ranks` above 1, that many actors that shard the group's
-weights, `mappa.sharding`) and `ray.rollout_workers` rollout workers (`ray.worker_cpus`,
+weights, `mappa.policy.sharding`) and `ray.rollout_workers` rollout workers (`ray.worker_cpus`,
 `ray.worker_gpus`). The `Cluster` it returns is the run's `Engine` (`mappa.protocols`), as
-`mappa.engine.LocalEngine` is in one process: `play`, `update`, `step_sync`, `evaluate`, `self_test`, `stats`,
-`save_checkpoint`, `restore_checkpoint`. A checkpoint goes through `mappa.checkpoint` with stand-ins for the
+`mappa.training.engine.LocalEngine` is in one process: `play`, `update`, `step_sync`, `evaluate`, `self_test`, `stats`,
+`save_checkpoint`, `restore_checkpoint`. A checkpoint goes through `mappa.training.checkpoint` with stand-ins for the
 policy and the optimizers (the trainer actors hold them), so it has the same files as a local run's. The training
-loop itself stays in `mappa.trainer`.
+loop itself stays in `mappa.training.trainer`.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Any
 
 from mappa.config import Config
 from mappa.errors import MappaError
-from mappa.evaluate import eval_metrics
 from mappa.protocols import ProgressFn, StatusFn
+from mappa.training.evaluate import eval_metrics
+from mappa.training.update import GroupResult, UpdateJob
 from mappa.types import Episode, Task
-from mappa.update import GroupResult, UpdateJob
 
 Place = Callable[[Config, Path, Sequence[str], dict[str, list[str]]], "Cluster"]
 RAY_MISSING = "--ray needs Ray: pip install 'mappa-rl[ray]'"
@@ -90,7 +90,8 @@ def _connect(address: str, cpus: float) -> bool:
 
 
 def placement(address: str) -> Place:
-    """What `mappa.trainer.setup(place=...)` calls: `place(cfg, run_dir, agents, groups)` places the run on Ray."""
+    """What `mappa.training.trainer.setup(place=...)` calls: `place(cfg, run_dir, agents, groups)` places the run on
+    Ray."""
     _ray()  # a missing Ray is one line before anything loads
 
     def place(cfg: Config, run_dir: Path, agents: Sequence[str], groups: dict[str, list[str]]) -> Cluster:
@@ -108,14 +109,14 @@ def placement(address: str) -> Place:
 
 class _Weights:
     """What checkpointing needs of a policy: the lead trainer (which holds every agent's current weights) saves,
-    and every actor loads. A team on several base models (`mappa.policies`): each base's lead trainer (its first
+    and every actor loads. A team on several base models (`mappa.policy.team`): each base's lead trainer (its first
     group's) saves that base's `Policies.save` subdirectory, and the team's manifest is written here."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
 
     def save(self, directory: str | Path) -> None:
-        from mappa.policy_files import BaseEntry, base_dir, write_team_manifest
+        from mappa.policy.storage import BaseEntry, base_dir, write_team_manifest
 
         directory, c = Path(directory).resolve(), self.cluster
         if len(c.bases) == 1:
@@ -149,7 +150,7 @@ class Cluster:
     def __init__(self, cfg: Config, run_dir: Path, agents: Sequence[str], groups: dict[str, list[str]], started: bool):
         from mappa.distributed.actors import RolloutWorker
         from mappa.generation import adapter_root
-        from mappa.policies import team_bases
+        from mappa.policy.team import team_bases
 
         ray = _ray()
         self.cfg, self.agents, self.groups, self.started = cfg, tuple(agents), groups, started
@@ -172,7 +173,7 @@ class Cluster:
         self._exact = all(get([w.samples_exactly.remote() for w in self.workers]))
         self.lead = self.trainers[next(iter(groups))]  # its first rank writes checkpoints and publishes adapters
         self.actors = [*(rank for ranks in self.trainers.values() for rank in ranks), *self.workers]
-        self._weights = _Weights(self)  # what `mappa.checkpoint` saves and restores, held by the actors
+        self._weights = _Weights(self)  # what `mappa.training.checkpoint` saves and restores, held by the actors
         self._optimizers = {g: _Optimizer(ranks) for g, ranks in self.trainers.items()}
         self._pending: dict[str, Any] = {}  # group's first agent -> its new weights (an object ref) to hand out
         self._generation: list[dict[str, float]] = []  # the workers' generation-server counters of the last play
@@ -188,7 +189,7 @@ class Cluster:
     @property
     def samples_exactly(self) -> bool:
         """Whether every rollout worker's episodes have the training forward pass's log-probs (its generator's
-        `samples_exactly`, asked once): the trainers recompute them when not (`mappa.update`)."""
+        `samples_exactly`, asked once): the trainers recompute them when not (`mappa.training.update`)."""
         return self._exact
 
     @property
@@ -290,7 +291,7 @@ class Cluster:
     def evaluate(
         self, tasks: Sequence[Task], progress: ProgressFn | None = None
     ) -> tuple[dict[str, float], list[Episode]]:
-        """`mappa.evaluate.evaluate` with the tasks shared out among the workers; the same metrics, pooled."""
+        """`mappa.training.evaluate.evaluate` with the tasks shared out among the workers; the same metrics, pooled."""
         start = time.perf_counter()
         shares = [s for s in split(tasks, len(self.workers)) if s]
         parts = get([w.evaluate.remote(s) for w, s in zip(self.workers, shares, strict=False)])  # fewer shares: fine
@@ -307,7 +308,7 @@ class Cluster:
 
     def save_checkpoint(self, run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
         """A local run's checkpoint: the lead trainer writes the weights, the trainers their optimizer states."""
-        from mappa.checkpoint import save_checkpoint
+        from mappa.training.checkpoint import save_checkpoint
 
         return save_checkpoint(
             run_dir, step, policy=self._weights, optimizers=self._optimizers, state=state, keep=keep
@@ -315,7 +316,7 @@ class Cluster:
 
     def restore_checkpoint(self, run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
         """Every actor loads the checkpoint's weights, every trainer its group's optimizer state."""
-        from mappa.checkpoint import restore_run
+        from mappa.training.checkpoint import restore_run
 
         return restore_run(run_dir, policy=self._weights, optimizers=self._optimizers)
 

@@ -2,14 +2,14 @@
 (`mappa.workflows.runtime`) sends every episode's requests.
 
 `generation.backend: local` (default): `LocalGenerator`, the policy that trains, continuously batched
-(`mappa.chat_engine.ChatEngine` on its sampling copies): requests of concurrent episodes decode together, a
-request joining the running batch at the next token. A team on several base models (`mappa.policies`) has a
+(`mappa.policy.chat_engine.ChatEngine` on its sampling copies): requests of concurrent episodes decode together, a
+request joining the running batch at the next token. A team on several base models (`mappa.policy.team`) has a
 `TeamGenerator`: one `LocalGenerator` per base, each agent's requests sent to its base's. `generation.backend: server`: `ServerGenerator` sends every
 request to `generation.base_url` (vLLM, SGLang or `mappa serve`), and `sync` publishes each agent's adapter after
 every step and has the server load it (`ServerPolicy.load_adapters`). A server's log-probs are never the update's
 (`samples_exactly` is false: the trainer recomputes them at the sampling temperature, and measures how far the
-server's are, `mappa.rl.logprob_gap`), which is small only when the server reports temperature-scaled log-probs
-too (vLLM: `--logprobs-mode processed_logprobs`; docs/training.md). Setup and the GPU recipes: docs/scale.md.
+server's are, `mappa.training.rl.logprob_gap`), which is small only when the server reports temperature-scaled
+log-probs too (vLLM: `--logprobs-mode processed_logprobs`; docs/training.md). Setup and the GPU recipes: docs/scale.md.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mappa.chat_engine import ChatEngine, ChatRequest
 from mappa.config import Config
 from mappa.errors import MappaError
 from mappa.generation.adapters import (
@@ -31,11 +30,12 @@ from mappa.generation.adapters import (
     version_dir,
 )
 from mappa.generation.server import ServedGeneration, ServerPolicy
+from mappa.policy.chat_engine import ChatEngine, ChatRequest
 from mappa.protocols import GenerationLike, Generator, PolicyLike, SamplingSettings
 from mappa.types import Message
 
 if TYPE_CHECKING:
-    from mappa.policies import Policies
+    from mappa.policy.team import Policies
 
 
 class LocalGenerator:
@@ -87,7 +87,7 @@ class LocalGenerator:
 
 
 class TeamGenerator:
-    """The local backend for a team on several base models (`mappa.policies.Policies`): one `LocalGenerator` per
+    """The local backend for a team on several base models (`mappa.policy.team.Policies`): one `LocalGenerator` per
     base, and each request sent to its agent's, so that the agent's prompt is templated, sampled and scored with its
     own base's tokenizer and weights. The bases decode side by side, each on its engine's thread."""
 

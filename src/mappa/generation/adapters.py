@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from mappa import sharding
 from mappa.errors import MappaError
+from mappa.policy import sharding
 
 KEEP_VERSIONS = 2
 FULL_WEIGHTS_ERROR = (
@@ -43,7 +43,7 @@ def version_dir(root: Path, agent: str, version: int) -> Path:
 def publish_adapters(policy: Any, root: Path, version: int, keep: int = KEEP_VERSIONS) -> dict[str, Path]:
     """Save every agent's adapter to `root/<agent>/v<version>/` atomically; returns {agent: directory}.
 
-    `policy`: a `mappa.policy.Policy` with LoRA agents (`lora` or `shared`; in `shared` mode every agent gets
+    `policy`: a `mappa.policy.policy.Policy` with LoRA agents (`lora` or `shared`; in `shared` mode every agent gets
     the one adapter, so a server can address each agent by name).
     """
     if policy.agent_weights == "full":

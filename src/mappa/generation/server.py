@@ -33,9 +33,10 @@ from typing import Any
 
 import httpx
 
-from mappa.decoding import check_context
 from mappa.errors import MappaError
 from mappa.generation.adapters import adapter_name
+from mappa.policy.decoding import check_context
+from mappa.policy.models import chat_prompt_ids
 from mappa.protocols import row_seeds
 from mappa.types import Message
 
@@ -57,7 +58,7 @@ class ServedGeneration:
 
 
 def stop_ids(tokenizer: Any) -> tuple[int, ...]:
-    """The tokenizer's EOS and ChatML's <|im_end|>, as `mappa.policy.Policy` stops on."""
+    """The tokenizer's EOS and ChatML's <|im_end|>, as `mappa.policy.policy.Policy` stops on."""
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end not in ids:
@@ -114,8 +115,9 @@ class ServerPolicy:
 
     @classmethod
     def from_policy(cls, policy: Any, gen: Any, adapter_root: Path | None = None) -> ServerPolicy:
-        """For a trainer's `mappa.policy.Policy` and its `generation` settings (`mappa.config.GenerationConfig`);
-        the API key is read from the environment variable `generation.api_key_env` names, when it is set."""
+        """For a trainer's `mappa.policy.policy.Policy` and its `generation` settings
+        (`mappa.config.GenerationConfig`); the API key is read from the environment variable `generation.api_key_env`
+        names, when it is set."""
         return cls(
             gen.base_url, policy.tokenizer, policy.agents, base_model=policy.base_name or "base",
             adapter_api=gen.adapter_api, adapter_root=adapter_root, server_adapter_root=gen.server_adapter_dir or None,
@@ -133,11 +135,7 @@ class ServerPolicy:
 
     def chat_ids(self, messages: Sequence[Message]) -> list[int]:
         """Chat-template `messages` and append the assistant generation prompt (as `Policy.chat_ids`)."""
-        text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False,
-            **self.chat_template_kwargs,
-        )  # fmt: skip
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return chat_prompt_ids(self.tokenizer, messages, self.chat_template_kwargs)
 
     def model_name(self, agent: str | None) -> str:
         """The served model a turn of `agent` goes to (None, or no version loaded yet: the base)."""

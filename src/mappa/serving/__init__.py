@@ -1,4 +1,4 @@
-"""Serving: continuous batching over a `mappa.policy.Policy`, behind `mappa serve`.
+"""Serving: continuous batching over a `mappa.policy.policy.Policy`, behind `mappa serve`.
 
 - `decoder`: `Decoder`, a batch that rows join and leave between decode steps (`decoding(policy, agent)`);
 - `kv`: the KV-cache layer with reserved room that the decoder writes into (subclasses transformers' cache);

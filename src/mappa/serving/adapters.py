@@ -1,6 +1,6 @@
 """LoRA adapters loaded into a running `mappa serve` under names of their own (vLLM's runtime LoRA loading).
 
-`ServedPolicy` wraps the served `mappa.policy.Policy` and answers to three kinds of model name: the base
+`ServedPolicy` wraps the served `mappa.policy.policy.Policy` and answers to three kinds of model name: the base
 (adapters off), the agents the policy was built with, and adapters loaded at run time from PEFT
 directories (`load`, `unload`). It offers what the decoder and the chat engine use of a policy (`active`,
 `chat_ids`, the tokenizer and stop ids), so requests for a loaded adapter batch and decode like any other.
@@ -32,7 +32,7 @@ import torch
 
 from mappa.beneath import FileRefused, read_beneath
 from mappa.errors import MappaError
-from mappa.policy import Policy
+from mappa.policy.policy import Policy
 from mappa.serving.guard import AdapterDir
 from mappa.types import Message
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mappa.decoding import Generation
+from mappa.policy.decoding import Generation
 
 MAX_TOP_LOGPROBS = 20
 

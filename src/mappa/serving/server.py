@@ -7,7 +7,7 @@ loaded adapter's name), `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_a
 replies: `{"lora_name", "lora_path"}`, a plain-text "Success: ..." or an OpenAI-style error), plus
 `GET /health` and `GET /stats` (batching counters). Requests for the same model and sampling settings are
 batched continuously: a request joins the running batch at the next decode step and leaves it when its
-reply is done (`mappa.chat_engine.ChatEngine`). `stream=true` answers with server-sent events as the
+reply is done (`mappa.policy.chat_engine.ChatEngine`). `stream=true` answers with server-sent events as the
 OpenAI API does; vLLM's `return_token_ids` and `return_tokens_as_token_ids` are honoured
 (`mappa.serving.api`), and so is `chat_template_kwargs` (the chat template's extra variables, e.g.
 `enable_thinking`, over the served policy's own). Not supported: n > 1, stop sequences, tools, and every other
@@ -41,9 +41,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from mappa.chat_engine import ChatEngine, ChatRequest
 from mappa.errors import MappaError
-from mappa.policy import Policy
+from mappa.policy.chat_engine import ChatEngine, ChatRequest
+from mappa.policy.policy import Policy
 from mappa.serving.adapters import ServedPolicy
 from mappa.serving.api import (
     ChatCompletionIn,

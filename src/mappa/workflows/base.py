@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mappa.errors import MappaError
-from mappa.sandbox.codeblocks import format_observation
 from mappa.types import Action, CoachContext, CoachScore, Task
+from mappa.workflows.codeblocks import format_observation
 
 
 @dataclass(frozen=True)

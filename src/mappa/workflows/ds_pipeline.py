@@ -55,13 +55,13 @@ from typing import Any
 
 from mappa.config import SandboxConfig, WorkflowConfig
 from mappa.errors import MappaError
-from mappa.sandbox.codeblocks import extract_code_blocks, format_observation
 from mappa.sandbox.workspace import snapshot
 from mappa.tasks.answers import without_reasoning
 from mappa.tasks.files import visible_names
 from mappa.types import Action, CoachContext, Episode, ExecResult, Message, Task
 from mappa.workflows import ds_prompts
 from mappa.workflows.base import AgentSpec, clip_middle, feedback_note, system_prompt
+from mappa.workflows.codeblocks import extract_code_blocks, format_observation
 from mappa.workflows.ds_prompts import _TOOLS as _TOOLS  # the agents' tool text (a test checks their packages)
 from mappa.workflows.ds_prompts import (
     ANALYST,

@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mappa.sandbox.codeblocks import format_observation
 from mappa.tasks.files import bounded_names
 from mappa.types import ExecResult, Task
 from mappa.workflows import paper_prompts as paper
 from mappa.workflows.base import AgentSpec, clip_middle
+from mappa.workflows.codeblocks import format_observation
 from mappa.workflows.ds_state import Team
 
 _TEAM = (

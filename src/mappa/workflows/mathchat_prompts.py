@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from mappa.sandbox.codeblocks import format_observation
 from mappa.types import ExecResult
 from mappa.workflows.base import AgentSpec
+from mappa.workflows.codeblocks import format_observation
 
 _TEAM = "a math team of three agents: Problem Solver, then Code Executor, then Verifier"
 

@@ -21,7 +21,7 @@ characters (None: whole), which the runtime calls with shrinking budgets until t
 `max_context_tokens`. A prompt that cannot fit ends its episode (`Episode.meta["error"]`), never the batch.
 
 Reproducible whatever runs beside it: episode i samples from `row_seed(seed, i)`, its k-th request from
-`row_seed(that, k)`, and every request draws from its own generator (`mappa.decoding.DecodeRow.generator`).
+`row_seed(that, k)`, and every request draws from its own generator (`mappa.policy.decoding.DecodeRow.generator`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import Any
 from mappa.errors import MappaError
 from mappa.protocols import GenerationLike, ProgressFn, Runtime, SamplingSettings, Workflow, row_seed
 from mappa.sandbox import new_workspace, remove_workspace
-from mappa.sandbox.codeblocks import extract_code_blocks
 from mappa.types import Action, Episode, ExecResult, Message, Task
+from mappa.workflows.codeblocks import extract_code_blocks
 
 Messages = Sequence[Message] | Callable[[int | None], Sequence[Message]]
 

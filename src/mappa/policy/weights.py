@@ -1,12 +1,13 @@
-"""The weight modes behind `mappa.policy.Policy` (`model.agent_weights`): where each agent's trainable weights live.
+"""The weight modes behind `mappa.policy.policy.Policy` (`model.agent_weights`): where each agent's trainable weights
+live.
 
 - `AdapterWeights` (`lora`, `shared`): one peft LoRA adapter per agent (one for all in `shared`) on one frozen base;
   the reference is the base with the adapters switched off.
 - `FullWeights` (`full`): a separate full trainable copy of the base per agent; the reference is the untouched base.
 
 Each answers the same questions: which module runs an agent, which parameters are its own, which files hold them
-(`mappa.policy_files`), and what a sampling copy of them is (`mappa.sampling_copies`). The policy holds one and
-calls it under its lock, so it never asks which mode it is in.
+(`mappa.policy.storage`), and what a sampling copy of them is (`mappa.policy.sampling_copies`). The policy holds one
+and calls it under its lock, so it never asks which mode it is in.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mappa import policy_files, sampling_copies
-from mappa.lora import LoraSettings, adapter_names, fold_adapter, name_base, plain_base, wrap_lora
+from mappa.policy import sampling_copies, storage
+from mappa.policy.lora import LoraSettings, adapter_names, fold_adapter, name_base, plain_base, wrap_lora
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -56,7 +57,7 @@ class AdapterWeights:
         if agent is None:
             try:
                 with self.model.disable_adapter():
-                    # switched off, not frozen: FSDP2 (`mappa.sharding`) reads which weights train at the first
+                    # switched off, not frozen: FSDP2 (`mappa.policy.sharding`) reads which weights train at the first
                     # forward pass, often this one, to reduce their gradients in float32 for float32 adapters
                     self._unfreeze_adapters()
                     yield self.model
@@ -72,17 +73,17 @@ class AdapterWeights:
     def _unfreeze_adapters(self) -> None:
         """peft freezes every inactive adapter on a switch (and all of them around disable_adapter); keep
         all trainable so an optimizer built earlier over another agent's parameters sees requires_grad=True. Looked
-        up anew: sharding (`mappa.sharding`) replaces each parameter by its shard."""
+        up anew: sharding (`mappa.policy.sharding`) replaces each parameter by its shard."""
         for n, p in self.model.named_parameters():
             if ".lora_" in n:
                 p.requires_grad_(True)
 
     def files(self, with_base: bool) -> dict[str, Any]:
-        files = policy_files.adapter_files(self.model, self.adapters())
-        return (files | policy_files.base_files(self.model.get_base_model())) if with_base else files
+        files = storage.adapter_files(self.model, self.adapters())
+        return (files | storage.base_files(self.model.get_base_model())) if with_base else files
 
     def load(self, directory: Path) -> None:
-        policy_files.load_adapters(directory, self.model, self.adapters())
+        storage.load_adapters(directory, self.model, self.adapters())
 
     def sampling_key(self, agent: str | None) -> str | None:
         """Which sampling copy serves `agent`: its adapter's (`shared`: one for every agent); None: the base."""
@@ -97,8 +98,8 @@ class AdapterWeights:
 
 class FullWeights:
     """A full trainable copy of the base per agent; the base itself is the reference. The copies are in the base's
-    dtype: in bfloat16 (a GPU) AdamW steps float32 masters of them (`mappa.update.MasterAdamW`; sharded,
-    `mappa.sharding.mixed_precision` makes the shards float32), or lr 1e-6 would be lost to rounding."""
+    dtype: in bfloat16 (a GPU) AdamW steps float32 masters of them (`mappa.training.update.MasterAdamW`; sharded,
+    `mappa.policy.sharding.mixed_precision` makes the shards float32), or lr 1e-6 would be lost to rounding."""
 
     def __init__(self, base: torch.nn.Module, agents: Sequence[str]) -> None:
         self.adapter: dict[str, str] = {}  # no peft adapters (`AdapterWeights.adapter`)
@@ -121,11 +122,11 @@ class FullWeights:
         yield self.model if agent is None else self.copies[agent]
 
     def files(self, with_base: bool) -> dict[str, Any]:
-        files = policy_files.full_copy_files(self.copies)
-        return (files | policy_files.base_files(self.model)) if with_base else files
+        files = storage.full_copy_files(self.copies)
+        return (files | storage.base_files(self.model)) if with_base else files
 
     def load(self, directory: Path) -> None:
-        policy_files.load_full_copies(directory, self.copies)
+        storage.load_full_copies(directory, self.copies)
 
     def sampling_key(self, agent: str | None) -> str | None:
         return agent

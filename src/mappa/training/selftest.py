@@ -2,7 +2,7 @@
 before it costs hours. Each failure raises MappaError with its own one-line reason; the run stops there.
 
 1. Each agent generates with its own trainable weights (on its own base model: each base of a heterogeneous team,
-   `mappa.policies`, is checked over its agents). Outside `shared` mode no two agents may hold the same
+   `mappa.policy.team`, is checked over its agents). Outside `shared` mode no two agents may hold the same
    trainable tensors (aliased adapters). Each agent's trainable parameters are perturbed (and restored), and
    (a) its log-probs of a fixed sequence must move (the adapter is in the forward pass), (b) no other agent's
    may move, (c) a fresh sample at the sampling temperature must report log-probs equal to `forward_logprobs`
@@ -228,7 +228,7 @@ def run_self_test(
     temperature: float = PROBE_TEMPERATURE, plugin_coach: bool = False,
 ) -> list[str]:  # fmt: skip
     """All three checks; raises MappaError on the first failure, else returns a line per check (check 1: per agent,
-    base by base). `policies`: one policy per base model (`mappa.policies.Policies`); `temperature`: the run's
+    base by base). `policies`: one policy per base model (`mappa.policy.team.Policies`); `temperature`: the run's
     `generation.temperature`, which check 1 samples at."""
     lines = []
     for policy in policies:

@@ -4,8 +4,8 @@
 `Decoder.add` prefills new prompts and merges them into the running batch, `Decoder.step` samples one
 token for every running row. The cache is made of `BufferedLayer`s, which reserve room for the tokens
 still to come, and a `PrefixCache` lets a prompt that starts like an earlier one prefill only the rest.
-The per-token bookkeeping (sampling, logprobs, when a row stops) is `mappa.decoding.sample_step`, the policy's own,
-so a row decodes exactly as it would in `Policy.generate`.
+The per-token bookkeeping (sampling, logprobs, when a row stops) is `mappa.policy.decoding.sample_step`, the policy's
+own, so a row decodes exactly as it would in `Policy.generate`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache
 
-from mappa.decoding import DecodeRow, Generation, Sampling, prefill_padded, sample_step, seeded_generator
 from mappa.errors import MappaError
-from mappa.kvcache import BufferedLayer, pad_left, stitchable
-from mappa.policy import Policy
-from mappa.prefix_cache import PrefixCache
+from mappa.policy.decoding import DecodeRow, Generation, Sampling, prefill_padded, sample_step, seeded_generator
+from mappa.policy.kvcache import BufferedLayer, pad_left, stitchable
+from mappa.policy.policy import Policy
+from mappa.policy.prefix_cache import PrefixCache
 
 Blocks = list[list[tuple[torch.Tensor, torch.Tensor]]]  # per layer: blocks of rows, (keys (b, H, l, D), values)
 
@@ -207,7 +207,7 @@ def _prefill_blocks(
     layers, last-position logits (B, V) float32 in that order), or None for caches that cannot be stitched.
 
     Prompts of equal length run together (no mask keeps CPU attention on its fused kernel; see
-    `mappa.decoding.prefill`); a prompt that starts like a cached one runs alone on the cached KV, and
+    `mappa.policy.decoding.prefill`); a prompt that starts like a cached one runs alone on the cached KV, and
     every prompt's KV is offered to the prefix cache. The blocks go straight into `BufferedLayer`s,
     with no left-padded intermediate.
     """

@@ -7,13 +7,13 @@ A policy checkpoint directory holds:
   base/                 the base weights and tokenizer, only when the base has no name to be reloaded by
   tokenizer/            the tokenizer
 
-A heterogeneous team (agents on several base models, `mappa.policies`) is saved as one such directory per base,
+A heterogeneous team (agents on several base models, `mappa.policy.team`) is saved as one such directory per base,
 `base-0/`, `base-1/`, ... (base-0: `model.name`'s), beside a manifest that lists the agents of each:
   mappa_policy.json     {"format_version": 2, "agents": [...], "bases": [{"model": ..., "agents": [...]}, ...]}
 Format 2 added that layout; a one-base policy's files are those of format 1, which loads as it did. A manifest
 of a newer format is refused, and so is a team's where one policy is expected (`read_manifest`).
 
-Weights are written whole and on the CPU: sharded tensors (`mappa.sharding`) are gathered first, and laid
+Weights are written whole and on the CPU: sharded tensors (`mappa.policy.sharding`) are gathered first, and laid
 out as this rank's shard again on load. The functions here take the modules and names they work on, not
 the `Policy`, which calls them from `save`, `load_weights` and `from_checkpoint`.
 """
@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
-from mappa import sharding
 from mappa.errors import MappaError
-from mappa.lora import LoraSettings
+from mappa.policy import sharding
+from mappa.policy.lora import LoraSettings
 
 if TYPE_CHECKING:
     from peft import PeftConfig, PeftModel

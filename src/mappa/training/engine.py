@@ -2,7 +2,7 @@
 
 It holds the run's parts from `mappa.rollout.build_kit` (policies, generator, coach, sandbox: built as the Ray
 actors, `mappa rollout` and `mappa eval` build theirs) plus one optimizer per update group, over the weights of
-the group's agent on that agent's base model (`mappa.policies`: a team may sit on several). `open_engine` picks
+the group's agent on that agent's base model (`mappa.policy.team`: a team may sit on several). `open_engine` picks
 where a run's work goes, once: on a Ray cluster when `place` is given (`mappa.distributed.placement`), else here.
 """
 
@@ -12,17 +12,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mappa.checkpoint import restore_run, save_checkpoint
 from mappa.config import Config
-from mappa.evaluate import evaluate
 from mappa.generation import step_sync
 from mappa.protocols import Engine, ProgressFn, StatusFn, Workflow
 from mappa.rollout import build_kit
+from mappa.training.checkpoint import restore_run, save_checkpoint
+from mappa.training.evaluate import evaluate
+from mappa.training.update import GroupResult, UpdateJob, apply_update, build_optimizer
 from mappa.types import Episode, Task
-from mappa.update import GroupResult, UpdateJob, apply_update, build_optimizer
 
 if TYPE_CHECKING:
-    from mappa.policy import Policy
+    from mappa.policy.policy import Policy
 
 # place(cfg, run_dir, agents, groups) -> the engine of a run placed elsewhere (`mappa.distributed.placement`)
 Place = Callable[[Config, Path, Sequence[str], dict[str, list[str]]], Engine]
@@ -32,7 +32,7 @@ Place = Callable[[Config, Path, Sequence[str], dict[str, list[str]]], Engine]
 class LocalEngine:
     """A training run's work in this process: its kit plays and scores episodes and evaluates, each update group's
     policy (its agent's base) takes the group's update in turn with the group's optimizer
-    (`mappa.update.apply_update`)."""
+    (`mappa.training.update.apply_update`)."""
 
     def __init__(
         self, cfg: Config, run_dir: Path, workflow: Workflow, groups: dict[str, list[str]], coach: Any = None

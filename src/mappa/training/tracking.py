@@ -38,8 +38,8 @@ from typing import Any, Literal
 from mappa.config import Config, dump_config, load_config
 from mappa.errors import MappaError
 from mappa.paths import atomic_write
+from mappa.training.update import GroupResult, mean_logprob_gap
 from mappa.types import Episode
-from mappa.update import GroupResult, mean_logprob_gap
 
 VERSIONED = ("mappa-rl", "torch", "transformers", "peft", "pydantic", "openai", "math-verify", "numpy")
 RUN_LOGS = ("episodes.jsonl", "metrics.jsonl", "eval/summary.jsonl")  # logs with one row per step (or eval)
@@ -53,7 +53,7 @@ START_FILES = frozenset({"config.yaml", "run.json", "adapters", "wandb"})
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one training step did (`mappa.trainer.train_step`); `step_metrics` names it for metrics.jsonl."""
+    """What one training step did (`mappa.training.trainer.train_step`); `step_metrics` names it for metrics.jsonl."""
 
     step: int  # the step just done (1 for the first)
     agents: tuple[str, ...]  # the workflow's agents, in order of play

@@ -19,7 +19,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from mappa.errors import MappaError
-from mappa.kvcache import BufferedLayer
+from mappa.policy.kvcache import BufferedLayer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -1,4 +1,4 @@
-"""A team's weights: one `mappa.policy.Policy` per base model, every agent on its own base's.
+"""A team's weights: one `mappa.policy.policy.Policy` per base model, every agent on its own base's.
 
 `model.agent_models` (agent -> model name) puts agents on other base models than `model.name`; `team_bases` groups
 the agents by base, `model.name`'s first, and refuses what such a team cannot hold. Agents on one base share it as
@@ -7,9 +7,9 @@ so an agent's prompts, samples and updates are its own base's token ids.
 
 `Policies` maps an agent to its `Policy` and saves and loads the team as one: a team on one base is saved exactly as
 its `Policy` is, a team on several as one `Policy` directory per base beside a manifest of the agents on each
-(`mappa.policy_files`). `mappa.rollout.build_kit` builds it; the local generator sends each request to its agent's
-policy (`mappa.generation.TeamGenerator`), an update group trains on its agent's policy (`mappa.engine`), and the
-self-test checks each base (`mappa.selftest`).
+(`mappa.policy.storage`). `mappa.rollout.build_kit` builds it; the local generator sends each request to its agent's
+policy (`mappa.generation.TeamGenerator`), an update group trains on its agent's policy (`mappa.training.engine`), and
+the self-test checks each base (`mappa.training.selftest`).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mappa import policy_files
 from mappa.errors import MappaError
-from mappa.policy import Policy
-from mappa.policy_files import MANIFEST, BaseEntry, base_dir, describe_bases
+from mappa.policy import storage
+from mappa.policy.policy import Policy
+from mappa.policy.storage import MANIFEST, BaseEntry, base_dir, describe_bases
 
 if TYPE_CHECKING:
     from mappa.config import ModelConfig
@@ -91,7 +91,7 @@ class Policies:
     ) -> Policies:  # fmt: skip
         """The team `save` wrote: one `Policy.from_checkpoint` per base (each names its own base model)."""
         directory = Path(directory)
-        bases = policy_files.read_team(directory)
+        bases = storage.read_team(directory)
         if bases is None:
             return cls([Policy.from_checkpoint(directory, device=device, chat_template_kwargs=chat_template_kwargs)])
         policies = []
@@ -153,16 +153,16 @@ class Policies:
         for i, policy in enumerate(self.policies):
             policy.save(base_dir(directory, i), write=write)
         if write:
-            policy_files.write_team_manifest(directory, self.agents, self.entries())
+            storage.write_team_manifest(directory, self.agents, self.entries())
 
     def load_weights(self, directory: str | Path) -> None:
         """Load each base's weights from what `save` wrote: the one base's directory, or the `base-<i>/` whose agents
         are this base's (a Ray trainer holds one base of a team and loads just that one)."""
         directory = Path(directory)
-        bases = policy_files.read_team(directory)
+        bases = storage.read_team(directory)
         if bases is None:
             if len(self.policies) > 1:
-                agents = policy_files.read_manifest(directory)["agents"]
+                agents = storage.read_manifest(directory)["agents"]
                 raise MappaError(
                     f"{directory / MANIFEST}: the checkpoint holds one base model (agents {', '.join(agents)}); "
                     f"this team has {describe_bases(self.entries())}"

@@ -2,21 +2,22 @@
 
 Read top to bottom: `setup()` builds the run state (or restores it from the last checkpoint), `train_step()`
 is one step, `train()` is the loop. The work runs on the run's engine (`mappa.protocols.Engine`): in this
-process (`mappa.engine.LocalEngine`), or on Ray actors with `--ray` (`mappa.distributed`); the loop is the same
-either way. One step:
-  1. draw `prompts_per_step` tasks (`rollout.pick_tasks`: a seeded permutation per pass; the cursor is
-     checkpointed) and play `samples_per_prompt` episodes of each, all at once (`mappa.workflows.runtime`), sampling from the seed
-     `seed + step` (`generation.backend`: the policy itself, or a LoRA server sent each step's adapters);
+process (`mappa.training.engine.LocalEngine`), or on Ray actors with `--ray` (`mappa.distributed`); the loop is the
+same either way. One step:
+  1. draw `prompts_per_step` tasks (`mappa.tasks.sampler.pick_tasks`: a seeded permutation per pass; the cursor is
+     checkpointed) and play `samples_per_prompt` episodes of each, all at once (`mappa.workflows.runtime`), sampling
+     from the seed `seed + step` (`generation.backend`: the policy itself, or a LoRA server sent each step's adapters);
      the coach scores every action as it lands;
-  2. rewards (`mappa.rewards`): each action's coach score, or with `coach.backend: outcome` the episode's
+  2. rewards (`mappa.training.rewards`): each action's coach score, or with `coach.backend: outcome` the episode's
      10/0 for every action; per update group (one per agent, or one for all with `model.agent_weights:
      shared`) keep the actions that are scored, not truncated and whose tool call did not hit an infra_error;
-  3. per group (`mappa.update.update_group`): reference log-probs from the base model (adapters off) and old log-probs
+  3. per group (`mappa.training.update.update_group`): reference log-probs from the base model (adapters off) and old
+  log-probs
      from the policy as it was at rollout time (recomputed unless generation's are the training forward's own:
-     always with a server or bfloat16 sampling copies, `mappa.update.recomputes_old_logprobs`), both before the
-     first optimizer step; token rewards
+     always with a server or bfloat16 sampling copies, `mappa.training.update.recomputes_old_logprobs`), both before
+     the first optimizer step; token rewards
      -kl_coef * (logp_old - logp_ref) + score/10 on the last token, returns, advantages whitened once over
-     the group's whole batch (`mappa.rl`);
+     the group's whole batch (`mappa.training.rl`);
   4. the batch shuffled (seeded) into mini-batches of `train.mini_batch_size` actions, `train.epochs` passes:
      one optimizer step per mini-batch (PPO clip against the old log-probs, token mean within the
      mini-batch, micro-batches of `train.micro_batch_size` with gradient accumulation, grad-norm clip,
@@ -53,20 +54,20 @@ from typing import Any, Literal
 
 import torch
 
-from mappa.checkpoint import kept_rng
 from mappa.config import Config, dump_config
-from mappa.engine import Place, open_engine
 from mappa.errors import MappaError
-from mappa.evaluate import eval_gain, eval_tasks, gain_metrics, write_eval
 from mappa.metrics import Gain, answered, episode_metrics
 from mappa.paths import atomic_write
 from mappa.plugins import check_instance, qualified_name
 from mappa.protocols import Engine, ProgressFn, Workflow
-from mappa.rewards import RewardMode, per_action_scores, reward_mode, select_actions
-from mappa.rollout import pick_tasks, train_tasks
-from mappa.tracking import StepResult, Tracker, append_episodes, read_metrics
+from mappa.tasks.sampler import pick_tasks, train_tasks
+from mappa.training.checkpoint import kept_rng
+from mappa.training.engine import Place, open_engine
+from mappa.training.evaluate import eval_gain, eval_tasks, gain_metrics, write_eval
+from mappa.training.rewards import RewardMode, per_action_scores, reward_mode, select_actions
+from mappa.training.tracking import StepResult, Tracker, append_episodes, read_metrics
+from mappa.training.update import GroupResult, UpdateJob, UpdateSettings, config_groups
 from mappa.types import Episode, Task
-from mappa.update import GroupResult, UpdateJob, UpdateSettings, config_groups
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ class Run:
     run_dir: Path
     workflow: Workflow
     groups: dict[str, list[str]]  # update group -> its agents: one per agent, or "shared" for all
-    engine: Engine  # where episodes play and weights update: this process, or a Ray cluster (`mappa.engine`)
+    engine: Engine  # where episodes play and weights update: this process, or a Ray cluster (`mappa.training.engine`)
     tracker: Tracker
     train_set: list[Task]
     held_out: list[Task]
@@ -146,7 +147,7 @@ def setup(
 
     `place(cfg, run_dir, agents, groups)` (`mappa.distributed.placement`): the engine of a Ray cluster whose
     rollout workers hold sandboxes and coaches and whose trainer actors hold the weights and optimizers; None:
-    all in this process (`mappa.engine.LocalEngine`). `parts`: objects handed in from Python, used instead of
+    all in this process (`mappa.training.engine.LocalEngine`). `parts`: objects handed in from Python, used instead of
     what the config names (a workflow or coach object: in-process runs only)."""
     from mappa.workflows import build_workflow
 
@@ -198,7 +199,7 @@ def setup(
 def update_settings(cfg: Config, samples_exactly: bool) -> UpdateSettings:
     """What the update reads: the run's config, and what the engine says of its generation (`samples_exactly`:
     a server, or a bfloat16 sampling copy, is not the training forward pass). Whether that means recomputing the
-    old log-probs is the update's one rule (`mappa.update.recomputes_old_logprobs`)."""
+    old log-probs is the update's one rule (`mappa.training.update.recomputes_old_logprobs`)."""
     return UpdateSettings(cfg.train, cfg.generation.temperature, cfg.workflow.score_scale, samples_exactly)
 
 
@@ -304,7 +305,7 @@ class TrainResult:
     def trained_nothing(self) -> bool:
         """Steps ran and no group trained on a single action in any step of the run (a resume counts the steps
         before it): every weight is where it started, so the run measured nothing (the CLI exits 3; the steps'
-        metrics say why, `mappa.rewards.untrained_groups`)."""
+        metrics say why, `mappa.training.rewards.untrained_groups`)."""
         return self.steps_run > 0 and not any(self.actions_trained.values())
 
 

@@ -5,20 +5,20 @@
 Log-probs of the reference and of the rollout-time policy come first (both before any optimizer step), the
 advantages are whitened once over the group's whole batch, then the batch is shuffled into mini-batches of
 `train.mini_batch_size` actions, each one optimizer step, split into micro-batches for memory. The math
-lives in `mappa.rl`; this module holds the weights' side of it and is what a trainer (this process, or a
+lives in `mappa.training.rl`; this module holds the weights' side of it and is what a trainer (this process, or a
 trainer actor with --ray) runs.
 
 Every log-prob here (reference, rollout-time, current) is taken at `generation.temperature`, the
-distribution the actions were sampled from (`mappa.decoding.scaled_logits`), as generation reports them.
+distribution the actions were sampled from (`mappa.policy.decoding.scaled_logits`), as generation reports them.
 
 The update reads no run config: its caller resolves what it needs once into `UpdateSettings` (the trainer's
-`mappa.trainer.update_settings`), so this module knows nothing of where the actions were generated beyond what
+`mappa.training.trainer.update_settings`), so this module knows nothing of where the actions were generated beyond what
 the generator said of its own log-probs (`UpdateSettings.samples_exactly`, asked of the run's engine). Whether
 PPO's old log-probs are recomputed is decided here, by one rule (`recomputes_old_logprobs`).
 
 What an update did comes back typed: `UpdateStats` from `update_group`, and a `GroupResult` per update group
 from `apply_update` (with what the group trained on, what it left out and why, and its rewards' spread). Only
-the tracker and the console give them metric names (`mappa.tracking.step_metrics`: `agent/<group>/<field>`).
+the tracker and the console give them metric names (`mappa.training.tracking.step_metrics`: `agent/<group>/<field>`).
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
-from mappa import precision, rl, sharding
 from mappa.config import Config, TrainConfig
 from mappa.errors import MappaError
+from mappa.policy import precision, sharding
+from mappa.training import rl
 from mappa.types import Action
 
 # per optimizer step; entropy: mean over the trained tokens of pi_T's entropy, from the loss's own logits
@@ -86,8 +87,8 @@ class GroupResult:
     left out and why, their rewards, and what the update did (`update` None: nothing to train on, no step)."""
 
     actions_trained: int
-    dropped: Mapping[str, int]  # actions left out of the update, by reason (`mappa.rewards.DROP_REASONS`)
-    reward_mean: float | None  # of the trained actions' scores, 0-10 (`mappa.rewards`; None: no action trained)
+    dropped: Mapping[str, int]  # actions left out of the update, by reason (`mappa.training.rewards.DROP_REASONS`)
+    reward_mean: float | None  # of the trained actions' scores, 0-10 (`mappa.training.rewards`; None: none trained)
     reward_std: float | None  # their spread (population std): at 0, whitened advantages carry no coach signal
     lr: float  # the group's learning rate after the update
     update: UpdateStats | None = None
@@ -127,7 +128,7 @@ def _optimizer_step(
     `train.loss_aggregation: action` by its share of the mini-batch's actions, so the loss is the mean over the
     actions of each one's token mean.
 
-    Sharded weights (`mappa.sharding`): each rank takes every world-th micro-batch, and one with no rows left
+    Sharded weights (`mappa.policy.sharding`): each rank takes every world-th micro-batch, and one with no rows left
     makes an idle pass of weight 0, since every rank must run as many forward and backward passes (their
     gathers are collective). FSDP averages the ranks' gradients, so each rank's loss is scaled by their
     number; the sum over ranks is then the whole mini-batch's."""
@@ -251,8 +252,8 @@ def update_group(
     prompts, responses = [a.prompt_ids for a in actions], [a.response_ids for a in actions]
     # Both before the first optimizer step: the reference, and the rollout-time policy every ratio is against.
     # All at the sampling temperature: the ratio and the KL must refer to the distribution the tokens came from.
-    # Under CPU autocast (`mappa.precision`) in the training forward's precision, so the first step's ratio is 1:
-    # float32 generation-time log-probs would differ from bfloat16 ones by enough to trip the clip.
+    # Under CPU autocast (`mappa.policy.precision`) in the training forward's precision, so the first step's ratio is
+    # 1: float32 generation-time log-probs would differ from bfloat16 ones by enough to trip the clip.
     dtype = precision.autocast_dtype(t.cpu_autocast, policy.model)
     with precision.autocast(dtype):
         ref_logp, mask = _logprobs(policy, None, prompts, responses, t.micro_batch_size, temp)

@@ -16,14 +16,14 @@ A float32 copy samples the distribution the forward pass computes (log-probs equ
 bfloat16 copy samples a slightly different one: about 0.002 nats/token KL from the update's bfloat16-autocast
 forward, the same order as between float32 sampling and that forward (0.001). The ratio stays exact either way,
 because the update recomputes the old log-probs in its own precision whenever sampling or training runs in
-bfloat16 (`mappa.update`). The KL to the sampler is what TRL and verl also leave between vLLM and the trainer.
+bfloat16 (`mappa.training.update`). The KL to the sampler is what TRL and verl also leave between vLLM and the trainer.
 
 A copy is refreshed before the first generation after its agent's weights changed, detected from the trainable
 tensors' storage and version counters (every in-place write bumps them: optimizer steps, `load_state_dict`, the
-self-test's perturbation). Fused optimizers write without bumping them; `mappa.update` never builds one.
+self-test's perturbation). Fused optimizers write without bumping them; `mappa.training.update` never builds one.
 
 `choose_dtype` decides (`generation.sampling_copy`): `auto` folds into bfloat16 where the update already runs under
-bfloat16 autocast (`mappa.precision`), else samples through the adapters. Never on a GPU (a generation server
+bfloat16 autocast (`mappa.policy.precision`), else samples through the adapters. Never on a GPU (a generation server
 is the fast path there) nor for sharded weights. Each copy costs the base's size in its dtype.
 """
 
@@ -43,7 +43,7 @@ Fingerprint = tuple[tuple[int, int], ...]
 
 def choose_dtype(mode: str, device_type: str, autocast: torch.dtype | None, sharded: bool) -> torch.dtype | None:
     """The copies' dtype for `mode`, or None to sample through the training modules. `autocast`: the update's
-    CPU autocast dtype (`mappa.precision.autocast_dtype`). Pure, so every case is testable."""
+    CPU autocast dtype (`mappa.policy.precision.autocast_dtype`). Pure, so every case is testable."""
     if mode not in SAMPLING_COPY:
         raise ValueError(f"sampling_copy: unknown mode {mode!r} (use {', '.join(SAMPLING_COPY)})")
     if mode == "off" or device_type != "cpu" or sharded:

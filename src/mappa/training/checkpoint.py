@@ -2,9 +2,9 @@
 
 Layout of one checkpoint (`RUN_DIR/checkpoints/step-000012/`):
   policy/        Policies.save(): one adapter (or full weights) per agent + tokenizer + manifest (safetensors, JSON);
-                 a team on several base models: one such directory per base, base-0/, base-1/ ... (`mappa.policies`)
+                 a team on several base models: one such directory per base, base-0/, base-1/ ... (`mappa.policy.team`)
   trainer.pt     optimizer state dicts per update group (the learning rate is a function of the step); for weights
-                 in a half dtype (a bfloat16 full copy) with the float32 masters AdamW steps (`mappa.update.MasterAdamW`),
+                 in a half dtype (a bfloat16 full copy) with the float32 masters AdamW steps (`mappa.training.update.MasterAdamW`),
                  so a resume continues from them, not from the policy files' bfloat16 rounding of them
   rng.pt         python, numpy, torch (CPU and CUDA) RNG states, as tensors and plain numbers
   state.json     {"step": 12, "cursor": 96, ...}: readable without torch
@@ -41,7 +41,7 @@ import torch
 
 from mappa.errors import MappaError
 from mappa.paths import atomic_write, fsync_path
-from mappa.tracking import RUN_LOGS, drop_lines_after
+from mappa.training.tracking import RUN_LOGS, drop_lines_after
 
 KEEP_LAST = 2  # older complete checkpoints are deleted; eval and episodes live elsewhere
 RNG_FORMAT = 2  # rng.pt as tensors and numbers; before it, the states as python, numpy and torch return them

@@ -1,4 +1,4 @@
-"""LoRA adapters for `mappa.policy.Policy`: their settings, peft-safe names, and one base wrapped with several.
+"""LoRA adapters for `mappa.policy.policy.Policy`: their settings, peft-safe names, and one base wrapped with several.
 
 Every adapter has the same shape (`LoraSettings`, from `model.lora_*`); the policy keeps one per agent
 (`lora`) or one for all (`shared`) on a single frozen base, and switches between them before each forward.
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, TypedDict
 import torch
 
 from mappa.errors import MappaError
-from mappa.models import public_name
+from mappa.policy.models import public_name
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -79,7 +79,7 @@ def wrap_lora(model: torch.nn.Module, adapters: list[str], lora: LoraSettings) -
 
 def name_base(peft_model: PeftModel, base_name: str, revision: str | None) -> None:
     """Saved adapters name the base as given (the embedded model: its hub id), never the cache directory it
-    was read from: vLLM, peft's AutoPeftModel and the Hub resolve it (`mappa.models.public_name`)."""
+    was read from: vLLM, peft's AutoPeftModel and the Hub resolve it (`mappa.policy.models.public_name`)."""
     for config in peft_model.peft_config.values():
         config.base_model_name_or_path = public_name(base_name)
         config.revision = revision

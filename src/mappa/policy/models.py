@@ -115,6 +115,17 @@ _TOKENIZER_KEYS = ("trust_remote_code", "token", "use_fast")
 _DTYPE_KEYS = ("dtype", "torch_dtype")  # the same setting as model.dtype (see `_dtype_setting`)
 
 
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[Any], template_kwargs: Mapping[str, Any]) -> list[int]:
+    """`messages` (role/content records) through the tokenizer's chat template with the assistant generation prompt
+    appended, as token ids: the one templating a local policy and a generation server's client both use, so a
+    prompt is the same tokens whichever of them samples its reply."""
+    text = tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False,
+        **template_kwargs,
+    )  # fmt: skip
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     """'auto' -> cuda when available, else cpu; anything else is passed to torch.device."""
     if isinstance(device, torch.device):

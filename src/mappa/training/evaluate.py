@@ -65,7 +65,8 @@ def evaluate(
 
 
 def eval_metrics(episodes: Sequence[Episode], agents: Sequence[str], tasks: int, seconds: float) -> dict[str, float]:
-    """What an evaluation logs, wherever its episodes were played (here or on a cluster's workers)."""
+    """An evaluation's metrics: `episode_metrics` under `eval/`, the accuracy's intervals counting tasks, how many
+    tasks and how long. The one place they are put together, in this process or pooled over Ray workers."""
     metrics = episode_metrics(episodes, agents, "eval")
     metrics.update(accuracy_intervals(episodes))
     metrics["eval/tasks"] = float(tasks)

@@ -1,6 +1,6 @@
 """A KV-cache layer with room reserved for the tokens still to come, and the helpers that pad rows into it.
 
-Used by `mappa.decoding` (a policy's batched generation) and by `mappa.serving` (continuous batching).
+Used by `mappa.policy.decoding` (a policy's batched generation) and by `mappa.serving` (continuous batching).
 
 This module subclasses transformers' `DynamicLayer` and replaces `DynamicCache.layers`, which are not
 a stable public API: it is written against transformers==5.23.0 (the pin in requirements.lock), and

@@ -1,11 +1,11 @@
 """A local model as a continuously batched chat engine: what `mappa serve` runs, and what episodes sample from.
 
-Requests go to one worker thread that runs a `mappa.decoder.Decoder`. Requests that can share a batch
+Requests go to one worker thread that runs a `mappa.policy.decoder.Decoder`. Requests that can share a batch
 (same model, temperature and top-p; a request's seed gives its row a sampler of its own) join the running
 batch between decode steps and leave it as soon as they finish, so nobody waits for a batch to fill or for
 the slowest reply in it, and a follow-up request sent while others are still generating joins them at the
 next token. Requests with other settings wait until the running batch drains (it takes no newcomers while
-they wait). Prompt KV is kept in a `mappa.prefix_cache.PrefixCache`: a follow-up that repeats an
+they wait). Prompt KV is kept in a `mappa.policy.prefix_cache.PrefixCache`: a follow-up that repeats an
 earlier request, or a prompt that shares its opening with one, prefills only what is new.
 
 `chat_stream` yields a request's tokens as they are sampled (for server-sent events); `run` executes a
@@ -27,21 +27,21 @@ from typing import Any
 
 import torch
 
-from mappa.decoder import Decoder, decoding
-from mappa.decoding import DecodeRow, Generation, Sampling, seeded_generator
-from mappa.models import load_base_model
-from mappa.policy import Policy
-from mappa.prefix_cache import PrefixCache
-from mappa.sampling_copies import fingerprint
+from mappa.policy.decoder import Decoder, decoding
+from mappa.policy.decoding import DecodeRow, Generation, Sampling, seeded_generator
+from mappa.policy.models import load_base_model
+from mappa.policy.policy import Policy
+from mappa.policy.prefix_cache import PrefixCache
+from mappa.policy.sampling_copies import fingerprint
 from mappa.types import Message
 
 PLACEHOLDER_AGENT = "base"  # the policy needs one agent; a plain model is served with adapters disabled
 
 
 def load_policy(model: str, adapters: str | None = None) -> Policy:
-    """A `mappa.policy.Policy` for serving or coaching: a checkpoint's agents, or a plain base model.
+    """A `mappa.policy.policy.Policy` for serving or coaching: a checkpoint's agents, or a plain base model.
 
-    `model` is a name `mappa.models.load_base_model` understands (`tiny-random` included).
+    `model` is a name `mappa.policy.models.load_base_model` understands (`tiny-random` included).
     """
     if adapters:
         return Policy.from_checkpoint(adapters)

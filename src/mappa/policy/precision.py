@@ -15,7 +15,7 @@ is left as it is: there the model itself is loaded in bfloat16 (`model.dtype`).
 
 The ratio's reference must be computed in the same precision and layout as the training forward: the update
 computes its old log-probs under the same autocast, in the training forward's own micro-batches
-(`mappa.update`), so the first optimizer step's ratio is exactly 1.
+(`mappa.training.update`), so the first optimizer step's ratio is exactly 1.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ from mappa.types import Action, Episode
 
 RewardMode = Literal["coach", "outcome"]
 DROP_REASONS = ("empty", "infra_error", "truncated", "unscored")
+# What an unscored action trains with under `coach.on_unscored: neutral`, an explicit choice, never a default.
+NEUTRAL_SCORE = 5.0
 
 
 def reward_mode(coach_backend: str) -> RewardMode:
@@ -91,14 +93,14 @@ def select_actions(
                 dropped[why] += 1
                 continue
             kept.append(action)
-            kept_scores.append(5.0 if score is None else score)
+            kept_scores.append(NEUTRAL_SCORE if score is None else score)
     return kept, kept_scores, dropped
 
 
 def untrained_groups(metrics: Mapping[str, float]) -> dict[str, dict[str, int]]:
     """The update groups that trained on no action in one step's row of metrics.jsonl (`agent/<g>/actions_trained`
     0), each with its actions left out by reason (`agent/<g>/dropped_<why>`): why a step moved none of its weights.
-    For a run's files (`mappa report`); a live run reads its typed results (`mappa.update.GroupResult`)."""
+    For a run's files (`mappa report`); a live run reads its typed results (`mappa.training.update.GroupResult`)."""
     out: dict[str, dict[str, int]] = {}
     for key, value in metrics.items():
         parts = key.split("/")

@@ -6,21 +6,21 @@ Agent weights (`agent_weights`):
 - `shared`: one adapter used by every agent (the single-policy baseline).
 In every mode the reference policy (`agent=None`) is the frozen base: adapters disabled for
 `lora`/`shared` (no extra memory), the untouched base module for `full`. Each mode is an object of
-`mappa.agent_weights`, which the policy calls under its lock.
+`mappa.policy.weights`, which the policy calls under its lock.
 
 Switching agents happens inside a lock, right before each forward, so a generation or a logprob
 call always runs with the named agent's weights. Every adapter's parameters keep
 `requires_grad=True` (peft would flip them on every switch); only the active adapter takes part in
 a forward, so a backward pass reaches that agent's weights alone.
 
-Logprobs from `generate` are those of the distribution sampled from (`mappa.decoding.scaled_logits`), and
+Logprobs from `generate` are those of the distribution sampled from (`mappa.policy.decoding.scaled_logits`), and
 `forward_logprobs(..., temperature=T)` recomputes them for the update (PPO's ratio, the KL term): both use
 left-padded prompts and explicit position ids, so the two agree to float32 rounding. On a CPU `generate` may
-sample from copies with each adapter folded in instead (`sample_from_copies`, `mappa.sampling_copies`).
+sample from copies with each adapter folded in instead (`sample_from_copies`, `mappa.policy.sampling_copies`).
 
-The decoding steps `generate` runs live in `mappa.decoding`, shared with `mappa.serving` (which builds
+The decoding steps `generate` runs live in `mappa.policy.decoding`, shared with `mappa.serving` (which builds
 continuous batching on them and on this module's `active`; training never imports it). The checkpoint
-format `save`, `load_weights` and `from_checkpoint` read and write lives in `mappa.policy_files`.
+format `save`, `load_weights` and `from_checkpoint` read and write lives in `mappa.policy.storage`.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 import torch
 
-from mappa import decoding, policy_files, sampling_copies
-from mappa.agent_weights import AdapterWeights, FullWeights
-from mappa.decoding import Generation
 from mappa.errors import MappaError
-from mappa.lora import DEFAULT_TARGET_MODULES, LoraSettings
-from mappa.models import load_base_model, portable_init_kwargs
-from mappa.policy_files import Manifest
+from mappa.policy import decoding, sampling_copies, storage
+from mappa.policy.decoding import Generation
+from mappa.policy.lora import DEFAULT_TARGET_MODULES, LoraSettings
+from mappa.policy.models import chat_prompt_ids, load_base_model, portable_init_kwargs
+from mappa.policy.storage import Manifest
+from mappa.policy.weights import AdapterWeights, FullWeights
 from mappa.protocols import row_seeds
 from mappa.types import Message
 
@@ -169,9 +169,9 @@ class Policy:
         """Rebuild a policy saved with `save`: base model (loaded with the init_kwargs it was trained with), agents,
         mode, LoRA settings and weights; prompts are templated with `chat_template_kwargs`."""
         directory = Path(directory)
-        manifest = policy_files.read_manifest(directory)
+        manifest = storage.read_manifest(directory)
         init_kwargs = manifest.get("init_kwargs") or {}  # checkpoints before model.init_kwargs have none
-        base = policy_files.base_source(directory, manifest)
+        base = storage.base_source(directory, manifest)
         model, tokenizer = load_base_model(base, device=device, init_kwargs=init_kwargs)
         lora = manifest["lora"]
         policy = cls(
@@ -210,7 +210,7 @@ class Policy:
         return self._weights.adapter
 
     def shardable_modules(self) -> list[torch.nn.Module]:
-        """Every model this policy holds, for `mappa.sharding` to shard: the base (with the adapters) and,
+        """Every model this policy holds, for `mappa.policy.sharding` to shard: the base (with the adapters) and,
         with `full` weights, each agent's copy."""
         return list(dict.fromkeys([self.model, *self._weights.modules()]))
 
@@ -225,7 +225,7 @@ class Policy:
 
     def sample_from_copies(self, dtype: torch.dtype | None) -> None:
         """Have `generate` sample from a copy of each agent's weights with its adapter folded in, in `dtype`
-        (`mappa.sampling_copies`; None: through the training modules). The copies are made at the first use."""
+        (`mappa.policy.sampling_copies`; None: through the training modules). The copies are made at the first use."""
         with self._lock:
             self.sampling_dtype, self._sampling = dtype, None
 
@@ -234,7 +234,7 @@ class Policy:
     @property
     def samples_exactly(self) -> bool:
         """Whether `generate`'s log-probs are this policy's forward pass's (through the training modules, or a
-        copy in the weights' own dtype): if not, an update recomputes the old log-probs (`mappa.update`)."""
+        copy in the weights' own dtype): if not, an update recomputes the old log-probs (`mappa.training.update`)."""
         weights = next(self.model.parameters()).dtype
         return self.sampling_dtype is None or self.sampling_dtype == weights
 
@@ -258,11 +258,7 @@ class Policy:
     def chat_ids(self, messages: Sequence[Message], template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Chat-template `messages` and append the assistant generation prompt; the template's variables are the
         policy's `chat_template_kwargs`, updated with `template_kwargs` (a served request's own)."""
-        text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False,
-            **{**self.chat_template_kwargs, **(template_kwargs or {})},
-        )  # fmt: skip
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return chat_prompt_ids(self.tokenizer, messages, {**self.chat_template_kwargs, **(template_kwargs or {})})
 
     # ------------------------------------------------------------------------------------------------------------
     # Generation
@@ -322,12 +318,12 @@ class Policy:
         """Per-token log pi(response | prompt) for one micro-batch: (logp (B, T), mask (B, T)), right-padded
         over responses (padded entries are 0 with mask False). Differentiable w.r.t. the agent's weights
         when grad is enabled; the reference (None) never builds a graph. `temperature`: the one the
-        responses were sampled at (`mappa.decoding.scaled_logits`), so these are the log-probs `generate`
+        responses were sampled at (`mappa.policy.decoding.scaled_logits`), so these are the log-probs `generate`
         reported. `entropy`: also (B, T) the entropy of pi_T at each response position, from the same logits
         (no gradient; 0 where mask is False), as a third tensor. `sampler`: through what `generate` samples from
         (the agent's sampling copy, when it has one) instead of the training modules, without gradient.
 
-        Layout (`mappa.decoding.response_layout`): every response starts at the same column, which lets the
+        Layout (`mappa.policy.decoding.response_layout`): every response starts at the same column, which lets the
         LM head run on response positions only (logits_to_keep) instead of the prompt.
         """
         if len(prompt_ids) != len(response_ids):
@@ -383,18 +379,18 @@ class Policy:
         return logp, mask
 
     # ------------------------------------------------------------------------------------------------------------
-    # Checkpoints (the files: `mappa.policy_files`)
+    # Checkpoints (the files: `mappa.policy.storage`)
 
     def save(self, directory: str | Path, *, write: bool = True) -> None:
         """Write per-agent weights (LoRA adapters in peft format, or full copies as HF model dirs), the
         tokenizer and a manifest. The base is referenced by name, or stored under base/ when it has none.
 
-        Sharded weights (`mappa.sharding`) are gathered first, a collective: every rank calls `save`, and all
+        Sharded weights (`mappa.policy.sharding`) are gathered first, a collective: every rank calls `save`, and all
         but the first with `write=False`."""
         with self._lock:
             files = self._weights.files(with_base=self.base_name is None)
         if write:
-            policy_files.write_checkpoint(directory, files, self.tokenizer, self.manifest())
+            storage.write_checkpoint(directory, files, self.tokenizer, self.manifest())
 
     def manifest(self) -> Manifest:
         """What `save` records beside the weights (`mappa_policy.json`)."""
@@ -410,6 +406,6 @@ class Policy:
     def load_weights(self, directory: str | Path) -> None:
         """Load per-agent weights saved by `save` into this policy (same agents and mode)."""
         directory = Path(directory)
-        policy_files.check_fits(directory, policy_files.read_manifest(directory), self.agents, self.agent_weights)
+        storage.check_fits(directory, storage.read_manifest(directory), self.agents, self.agent_weights)
         with self._lock:
             self._weights.load(directory)
