@@ -4,8 +4,9 @@ Layout of one checkpoint (`RUN_DIR/checkpoints/step-000012/`):
   policy/        Policies.save(): one adapter (or full weights) per agent + tokenizer + manifest (safetensors, JSON);
                  a team on several base models: one such directory per base, base-0/, base-1/ ... (`mappa.policy.team`)
   trainer.pt     optimizer state dicts per update group (the learning rate is a function of the step); for weights
-                 in a half dtype (a bfloat16 full copy) with the float32 masters AdamW steps (`mappa.training.update.MasterAdamW`),
-                 so a resume continues from them, not from the policy files' bfloat16 rounding of them
+                 in a half dtype (a bfloat16 full copy) with the float32 masters AdamW steps
+                 (`mappa.training.update.MasterAdamW`), so a resume continues from them, not from the policy files'
+                 bfloat16 rounding of them
   rng.pt         python, numpy, torch (CPU and CUDA) RNG states, as tensors and plain numbers
   state.json     {"step": 12, "cursor": 96, ...}: readable without torch
 
@@ -44,13 +45,7 @@ from mappa.paths import atomic_write, fsync_path
 from mappa.training.tracking import RUN_LOGS, drop_lines_after
 
 KEEP_LAST = 2  # older complete checkpoints are deleted; eval and episodes live elsewhere
-RNG_FORMAT = 2  # rng.pt as tensors and numbers; before it, the states as python, numpy and torch return them
-_RECONSTRUCT = np._core.multiarray._reconstruct
-# What reading an rng.pt of the first format needs besides weights_only's own: numpy arrays of plain numbers
-# (their elements pass through the same restricted reader), under numpy 2's module name and numpy 1's.
-_LEGACY_RNG = [
-    _RECONSTRUCT, (_RECONSTRUCT, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, np.dtypes.UInt32DType,
-]  # fmt: skip
+RNG_FORMAT = 2  # rng.pt as tensors and plain numbers, which `weights_only=True` reads
 
 
 def rng_state() -> dict[str, Any]:
@@ -100,19 +95,17 @@ def _rng_file(state: dict[str, Any]) -> dict[str, Any]:
 
 def _rng_from_file(saved: Any, path: Path) -> dict[str, Any]:
     """rng.pt's contents as `set_rng_state` takes them, checked on scratch generators first so that a malformed
-    state is one line naming the file, before anything is restored. rng.pt of mappa before RNG_FORMAT held the
-    states as they come (numpy's with an array): `_LEGACY_RNG` lets weights_only read those."""
+    state is one line naming the file, before anything is restored."""
     try:
-        if saved.get("format") == RNG_FORMAT:
-            py, npy = saved["python"], saved["numpy"]
-            key = npy["key"].numpy().astype(np.uint32)
-            state = {
-                "python": (py["version"], tuple(py["state"].tolist()), py["gauss"]),
-                "numpy": ("MT19937", key, npy["pos"], npy["has_gauss"], npy["gauss"]),
-                "torch": saved["torch"],
-            }
-        else:
-            state = {k: saved[k] for k in ("python", "numpy", "torch")}
+        if saved.get("format") != RNG_FORMAT:
+            raise ValueError(f"format {saved.get('format')!r}, not {RNG_FORMAT}")
+        py, npy = saved["python"], saved["numpy"]
+        key = npy["key"].numpy().astype(np.uint32)
+        state = {
+            "python": (py["version"], tuple(py["state"].tolist()), py["gauss"]),
+            "numpy": ("MT19937", key, npy["pos"], npy["has_gauss"], npy["gauss"]),
+            "torch": saved["torch"],
+        }
         if "cuda" in saved:
             state["cuda"] = list(saved["cuda"])
         random.Random().setstate(state["python"])
@@ -211,13 +204,13 @@ def resume_point(run_dir: str | Path) -> Path | None:
     return found
 
 
-def _torch_file(path: Path, *, allow: list[Any] | None = None) -> Any:
-    """A checkpoint's torch file, read without pickle (`weights_only=True`: tensors and plain values, plus the
-    types in `allow`), or one line naming it (missing, truncated, corrupt, or holding anything else)."""
+def _torch_file(path: Path) -> Any:
+    """A checkpoint's torch file, read without pickle (`weights_only=True`: tensors and plain values only), or
+    one line naming it (missing, truncated, corrupt, or holding anything else)."""
     if not path.is_file():
         raise MappaError(f"{path}: missing (checkpoint damaged)")
     try:
-        with warnings.catch_warnings(), torch.serialization.safe_globals(allow or []):
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's notes on pickle protocols: the one line below says it all
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:  # what weights_only raises on random bytes, or on a pickle of other objects
@@ -256,7 +249,7 @@ def load_checkpoint(
     directory = Path(directory)
     state = _state_file(directory / "state.json")
     trainer = _torch_file(directory / "trainer.pt")
-    rng = _rng_from_file(_torch_file(directory / "rng.pt", allow=_LEGACY_RNG), directory / "rng.pt")
+    rng = _rng_from_file(_torch_file(directory / "rng.pt"), directory / "rng.pt")
     saved = trainer.get("optimizers") if isinstance(trainer, dict) else None
     if not isinstance(saved, dict):
         raise MappaError(f"{directory / 'trainer.pt'}: not a trainer state (no optimizers)")
