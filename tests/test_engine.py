@@ -138,3 +138,22 @@ def test_a_follow_up_reuses_the_first_requests_prompt(policy: Policy) -> None:
     assert again.response_ids == alone(policy, follow).response_ids
     off = ChatEngine(policy, prefix_cache_mib=0)
     assert off.prefix_cache is None and off.stats()["prefix_hits"] == 0
+
+
+def test_interleaved_steps_drain_one_decoder_before_the_next() -> None:
+    """Rows of different agents cannot share a forward pass, and a step costs about the same whatever its rows: the
+    steps stay on the decoder stepped last until it drains (the others fill up meanwhile), then go to the fullest;
+    a decoder that waited MAX_IDLE steps goes first."""
+    from types import SimpleNamespace
+
+    from mappa.policy.chat_engine import MAX_IDLE, _choose
+
+    def live(rows: int, idle: int = 0) -> SimpleNamespace:
+        return SimpleNamespace(decoder=[None] * rows, idle=idle)
+
+    solver, coder, verifier = live(2), live(9), live(5)
+    assert _choose([solver, coder, verifier], None) is coder  # nothing stepped yet: the fullest
+    assert _choose([solver, coder, verifier], solver) is solver  # a tail of 2 rows drains first
+    assert _choose([coder, verifier], solver) is coder  # drained: the fullest next
+    starved = live(1, idle=MAX_IDLE)
+    assert _choose([solver, starved, coder], solver) is starved

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from mappa.coach import CoachRunner
+from mappa.coach.runner import CoachRunner
 from mappa.config import BUILTIN_WORKFLOWS, Config, WorkflowConfig
 from mappa.errors import MappaError
 from mappa.protocols import ProgressFn, Workflow

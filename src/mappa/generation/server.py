@@ -16,11 +16,13 @@ A dropped action keeps its text (the episode goes on) but has no tokens, so the 
 
 Adapters: `load_adapters(paths, version)` tells the server to load every agent's new adapter, switches this
 client to it, and unloads the previous version. Switching happens only there, between rollouts, so a rollout
-never mixes versions; each generation records the version it used.
+never mixes versions; each generation records the version it used. `ServerGenerator` is a `ServerPolicy` behind the
+runtime's `Generator` protocol: `sync` publishes the step's adapters and has the server load them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -34,10 +36,10 @@ from typing import Any
 import httpx
 
 from mappa.errors import MappaError
-from mappa.generation.adapters import adapter_name
+from mappa.generation.adapters import adapter_name, publish_adapters
 from mappa.policy.decoding import check_context
 from mappa.policy.models import chat_prompt_ids
-from mappa.protocols import row_seeds
+from mappa.protocols import GenerationLike, SamplingSettings, row_seeds
 from mappa.types import Message
 
 DROP_REASONS = ("prompt_mismatch", "retokenize_mismatch")
@@ -307,6 +309,44 @@ class ServerPolicy:
                 raise MappaError(f"generation server {self.base_url}: HTTP {r.status_code} ({r.text[:200]}){hint}")
             return r.json()
         raise AssertionError("unreachable")
+
+
+class ServerGenerator:
+    """An OpenAI-compatible LoRA server as a generator (`ServerPolicy`): every request in flight at once, up to
+    `generation.concurrency`; `sync` publishes the agents' adapters as the step's version and has it load them."""
+
+    samples_exactly = False  # another engine's kernels (maybe another dtype): the update recomputes the old log-probs
+
+    def __init__(self, server: ServerPolicy, adapter_root: Path) -> None:
+        self.server, self.adapter_root = server, adapter_root
+
+    def chat_ids(self, agent: str, messages: Sequence[Message]) -> list[int]:
+        return self.server.chat_ids(messages)
+
+    async def generate(
+        self, agent: str, messages: Sequence[Message], prompt_ids: Sequence[int], sampling: SamplingSettings,
+        seed: int | None,
+    ) -> GenerationLike:  # fmt: skip
+        job = self.server.submit(
+            agent, messages, prompt_ids, temperature=sampling.temperature, top_p=sampling.top_p,
+            max_new_tokens=sampling.max_new_tokens, seed=seed,
+        )  # fmt: skip
+        return await asyncio.wrap_future(job)
+
+    def sync(self, policy: Any, version: int) -> dict[str, float]:
+        """Publish every agent's adapter as `version` and have the server load it: `generation/publish_s` and
+        `generation/reload_s`."""
+        t0 = time.perf_counter()
+        paths = publish_adapters(policy, self.adapter_root, version)
+        publish_s = time.perf_counter() - t0
+        reload_s = self.server.load_adapters(paths, version)
+        return {"generation/publish_s": publish_s, "generation/reload_s": reload_s}
+
+    def stats(self) -> dict[str, float]:
+        return self.server.stats()
+
+    def close(self) -> None:
+        self.server.close()
 
 
 def response_token_ids(
