@@ -489,6 +489,16 @@ def write_run(path: Path, episodes: list[Episode], *, evals: bool = True, probes
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def assert_updated_where_scores_differ(rows: list[dict], agents: Sequence[str], some: bool = True) -> None:
+    """Per logged step and agent: an optimizer step exactly when the agent's trained actions scored differently
+    (scores without spread teach nothing and leave the weights alone); with `some`, some agent updated at all."""
+    for row in rows:
+        for a in agents:
+            spread = row.get(f"agent/{a}/reward_std", 0.0) > 0
+            assert (row.get(f"agent/{a}/optimizer_steps", 0) > 0) == spread, (row["step"], a)
+    assert not some or any(row.get(f"agent/{a}/optimizer_steps", 0) > 0 for row in rows for a in agents)
+
+
 def mappa(*args: str, cwd: Path = ROOT, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "mappa.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout

@@ -160,7 +160,7 @@ def test_a_run_sampling_from_bfloat16_copies_trains_and_resumes_exactly(tmp_path
     """The trainer's whole path with bfloat16 copies on the tiny model (its update forced into bfloat16 too): the
     self-test passes, every agent trains, and a run resumed from its step-2 checkpoint ends where a straight run
     does (the copies are rebuilt from the loaded weights)."""
-    from helpers import TINY
+    from helpers import TINY, assert_updated_where_scores_differ
 
     from mappa.config import load_config
     from mappa.training.checkpoint import latest_checkpoint
@@ -175,7 +175,7 @@ def test_a_run_sampling_from_bfloat16_copies_trains_and_resumes_exactly(tmp_path
     (resumed / "checkpoints" / "latest").write_text("step-000002")
     train(load_config(None, [*sets, "train.steps=3", f"run_dir={resumed}"]), resumed, resume=True)
     rows = [r for r in read_metrics(straight) if "time/rollout_s" in r]
-    assert all(r[f"agent/{a}/optimizer_steps"] > 0 for r in rows for a in ("problem_solver", "code_executor"))
+    assert_updated_where_scores_differ(rows, ("problem_solver", "code_executor", "verifier"))
     a = Policy.from_checkpoint(latest_checkpoint(straight) / "policy", device="cpu")
     b = Policy.from_checkpoint(latest_checkpoint(resumed) / "policy", device="cpu")
     assert latest_checkpoint(resumed).name == "step-000003"

@@ -201,8 +201,15 @@ def test_a_groups_result_holds_its_selection_rewards_and_update() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         result.actions_trained = 0  # type: ignore[misc]
 
+    before = [p.detach().clone() for p in policy.trainable_parameters("solver")]
+    state = {k: v["exp_avg"].clone() for k, v in enumerate(optimizer.state.values())}
     same = apply_update(policy, optimizer, dataclasses.replace(job, scores=[7.0] * 4))
     assert same.reward_std == 0.0 and same.reward_zero_std  # every action scored alike: nothing to learn from
+    # and nothing is learned: whitening would have turned the KL term's noise into unit advantages, Adam into a
+    # full-size step (momentum included), so the weights and the optimizer's state stay exactly as they were
+    assert same.update is None and same.optimizer_steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.trainable_parameters("solver"), strict=True))
+    assert all(torch.equal(state[k], v["exp_avg"]) for k, v in enumerate(optimizer.state.values()))
     idle = apply_update(policy, optimizer, dataclasses.replace(job, actions=[], scores=[]))
     assert idle.update is None and idle.optimizer_steps == 0 and idle.actions_trained == 0
     assert idle.reward_mean is None and idle.reward_zero_std is None and idle.lr == same.lr

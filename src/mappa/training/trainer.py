@@ -256,7 +256,9 @@ def no_spread_lines(result: StepResult) -> list[str]:
         if r.reward_zero_std:
             n = r.actions_trained
             what = f"its {n} trained actions all scored" if n > 1 else "its one trained action scored"
-            out.append(f"step {result.step}: {g}: {what} {r.reward_mean:.2f}, no spread: nothing to learn from")
+            out.append(
+                f"step {result.step}: {g}: {what} {r.reward_mean:.2f}, no spread: nothing to learn from, not updated"
+            )
     return out
 
 
