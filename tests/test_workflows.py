@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from helpers import GEN, RecordingSandbox, ScriptedPolicy, ScriptedScorer, py, script, task
+from helpers import GEN, RecordingSandbox, ScriptedPolicy, ScriptedScorer, act, py, script, task
 
 from mappa.config import SandboxConfig, WorkflowConfig, load_config
 from mappa.errors import MappaError
@@ -106,6 +106,19 @@ def test_verifier_never_sees_the_solver_text(sandbox: RecordingSandbox) -> None:
     (v,) = by_agent(ep, "verifier")
     assert not any("SOLVER-ONLY-7731" in m.content for m in v.messages)
     assert [m.role for m in v.messages] == ["system", "user"]
+
+
+@pytest.mark.parametrize(
+    ("form", "source", "asked"),
+    [("auto", "arithmetic", "The answer is <number>"), ("auto", "test", "\\boxed"), ("boxed", "arithmetic", "\\boxed"),
+     ("line", "test", "The answer is <number>")],
+)  # fmt: skip
+def test_the_verifier_is_asked_for_the_answer_form_set(form: str, source: str, asked: str) -> None:
+    """`workflow.answer_form`: the closing ask names one form; `auto` keeps the one line for generated arithmetic."""
+    wf = MathChat(WorkflowConfig(answer_form=form))
+    t = task().model_copy(update={"source": source})
+    ask = wf.verifier_messages(t, act("code_executor", 5.0), "42", "", None, 48)[-1].content.rsplit("\n\n", 1)[-1]
+    assert asked in ask and ("boxed" in ask) != ("The answer is" in ask)
 
 
 def test_truncated_actions_are_flagged(sandbox: RecordingSandbox) -> None:

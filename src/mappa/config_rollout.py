@@ -313,6 +313,12 @@ class WorkflowConfig(Section):
     )
     coder_max_turns: int = Field(2, ge=1, description="MathChat: Code Executor turn cap.")
     ds_max_turns: int = Field(4, ge=1, description="ds_pipeline: turn cap of each agent.")
+    answer_form: Literal["auto", "boxed", "line"] = Field(
+        "auto",
+        description="MathChat (our prompts): how the Verifier is asked to give the answer. boxed: \\boxed{...}; "
+        "line: one line 'The answer is <number>.'; auto: line for generated arithmetic (what SmolLM2-135M "
+        "follows), boxed otherwise. Qwen2.5-Coder-0.5B follows boxed, not line (docs/learning.md).",
+    )
     prompts: Literal["mappa", "paper"] = Field(
         "mappa",
         description="What the built-in workflows' agents are told. mappa: our prompts (a system prompt with the role, "

@@ -54,6 +54,7 @@ class MathChat:
         cfg = cfg or WorkflowConfig()
         self.show_feedback = cfg.show_coach_feedback
         self.paper = cfg.prompts == "paper"
+        self.answer_form = cfg.answer_form
         self.observation_chars = (sandbox or SandboxConfig()).observation_chars
         self.coder = dataclasses.replace(CODER, max_turns=cfg.coder_max_turns)
         self.specs = (SOLVER, self.coder, VERIFIER)
@@ -123,9 +124,9 @@ class MathChat:
             messages.append(Message(role="user", content=clip_middle(observation, cut)))
         return messages
 
-    @staticmethod
-    def verifier_ask(task: Task) -> str:
-        return VERIFIER_ASK_SHORT if task.source == "arithmetic" else VERIFIER_ASK
+    def verifier_ask(self, task: Task) -> str:
+        short = self.answer_form == "line" or (self.answer_form == "auto" and task.source == "arithmetic")
+        return VERIFIER_ASK_SHORT if short else VERIFIER_ASK
 
     def verifier_messages(
         self, task: Task, coder_final: Action, last_output: str | None, feedback: str, cut: int | None, budget: int
