@@ -68,8 +68,17 @@ def files(run_dir: Path) -> set[str]:
 
 def names(run_dir: Path) -> list[set[str]]:
     """The metric names of each metrics.jsonl row, less the drop reasons (which actions drop depends on the
-    sampled text) and the wall clock."""
-    return [{k for k in row if "/dropped_" not in k and k != "time"} for row in read_metrics(run_dir)]
+    sampled text), the update's own figures (an agent updates only when its actions' scores differ, which depends
+    on the sampled text too) and the wall clock."""
+    from dataclasses import fields
+
+    from mappa.training.update import UpdateStats
+
+    update = {f"/{f.name}" for f in fields(UpdateStats)} - {"/optimizer_steps"}
+    return [
+        {k for k in row if "/dropped_" not in k and k != "time" and not any(k.endswith(u) for u in update)}
+        for row in read_metrics(run_dir)
+    ]
 
 
 def test_split_keeps_order_and_balances() -> None:

@@ -5,7 +5,7 @@ terminal, a line per phase and a few progress lines within it, `mappa.progress`)
 evaluation table at the start, every `train.eval_every` steps and the end, and one line per step (train accuracy,
 each agent's mean coach score, loss / KL, optimizer steps, clip fraction, seconds), and after it one line per
 agent that trained on no action in that step, with why (actions cut off at the token cap, unscored, ...), and one
-per agent whose trained actions all scored alike (nothing to learn from). At the end, the held-out accuracy before
+per agent whose trained actions all scored alike (nothing to learn from: not updated). At the end, the held-out accuracy before
 and after with 95% intervals that count tasks (several samples of one task are one unit), and the gain with a 95%
 interval over the tasks, paired (`mappa.metrics.accuracy_gain`), so a gain can be told from noise. The first line names the sandbox's confinement, the next the run directory. A run in which no
 agent trained on any action ends with a warning line and exit code 3. Ctrl-C ends with the step that is saved and
