@@ -278,7 +278,9 @@ def test_ctrl_c_names_the_saved_step_and_the_resume_command(tmp_path: Path) -> N
     run_dir = tmp_path / "run"
     log = tmp_path / "train.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "mappa.cli", "train", *_sets(*TINY, "train.steps=4", f"run_dir={run_dir}")]
+    # far more steps than it will run: a step whose agents' scores agree updates nothing and takes no time, so a
+    # short run could end before the signal lands
+    cmd = [sys.executable, "-m", "mappa.cli", "train", *_sets(*TINY, "train.steps=500", f"run_dir={run_dir}")]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     try:
         deadline = time.monotonic() + 240

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -334,6 +335,7 @@ def test_mappa_train_resume_continues_the_tracked_run(tmp_path: Path, monkeypatc
     config = tmp_path / "config.yaml"
     config.write_text(dump_config(tiny_cfg(tmp_path, "train.steps=1", f"logging.report_to={trackers}")))
     assert main(["train", str(config)]) == 0
+    time.sleep(1.1)  # W&B names an offline run's folder by the second it started: the attempts must not share one
     assert main(["train", "--resume", str(run_dir), "--set", "train.steps=2"]) == 0
     key = "eval/accuracy"
     jsonl = [(r["step"], r[key]) for r in read_metrics(run_dir) if key in r]
