@@ -345,6 +345,13 @@ class ToyPolicy:
             self.w.copy_(torch.load(directory / "w.pt"))
 
 
+def interruptible() -> None:
+    """`preexec_fn` of a process a test will Ctrl-C: SIGINT back to its default, so Python turns it into
+    KeyboardInterrupt even when the test suite itself was started in the background, where SIGINT is ignored and
+    every child inherits that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def kill_at_checkpoint(proc: subprocess.Popen, run_dir: Path, step: int, log: Path, timeout: float = 240) -> None:
     """SIGKILL `proc` as soon as checkpoint `step` is complete (the next step is then under way); fails with the
     log's tail if it exits first, or after `timeout` seconds. The caller reaps it (and whatever it started)."""

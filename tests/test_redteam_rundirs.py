@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import interruptible
 
 from mappa.errors import MappaError
 
@@ -278,10 +279,10 @@ def test_ctrl_c_names_the_saved_step_and_the_resume_command(tmp_path: Path) -> N
     run_dir = tmp_path / "run"
     log = tmp_path / "train.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
-    # far more steps than it will run: a step whose agents' scores agree updates nothing and takes no time, so a
-    # short run could end before the signal lands
-    cmd = [sys.executable, "-m", "mappa.cli", "train", *_sets(*TINY, "train.steps=500", f"run_dir={run_dir}")]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    cmd = [sys.executable, "-m", "mappa.cli", "train", *_sets(*TINY, "train.steps=4", f"run_dir={run_dir}")]
+    proc = subprocess.Popen(
+        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env, preexec_fn=interruptible
+    )
     try:
         deadline = time.monotonic() + 240
         while latest_checkpoint(run_dir) is None if run_dir.exists() else True:
@@ -319,8 +320,9 @@ def test_ctrl_c_within_the_start_leaves_no_run_directory(tmp_path: Path) -> None
     cmd = ["train", *_sets(*TINY, f"coach.backend={plugin}:score", f"run_dir={runs}/{{name}}-{{time}}")]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mappa.cli", *cmd], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT
-    )
+        [sys.executable, "-m", "mappa.cli", *cmd], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+        preexec_fn=interruptible,
+    )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         while not asked.exists():  # the self-test asks the coach, which never answers

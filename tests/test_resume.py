@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, ToyPolicy, kill_at_checkpoint, wait_for
+from helpers import TINY, ToyPolicy, interruptible, kill_at_checkpoint, wait_for
 
 from mappa.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
@@ -84,8 +84,9 @@ def _train_rows(run_dir: Path) -> list[dict]:
 def _mappa(args: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "mappa.cli", *args], stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env
-    )
+        [sys.executable, "-m", "mappa.cli", *args], stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+        preexec_fn=interruptible,
+    )  # fmt: skip
 
 
 def test_sigkill_mid_run_then_resume_continues_exactly(tmp_path: Path) -> None:
