@@ -27,8 +27,11 @@ Reproducible whatever runs beside it: episode i samples from `row_seed(seed, i)`
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,7 +218,24 @@ def play(
         workflow.check_task(task)
     if not tasks:
         return []
-    return asyncio.run(_play_all(workflow, list(tasks), rt, sampling, seed, progress, keep_workspaces))
+    with asyncio.Runner() as runner:
+        with sigint_deferred():
+            runner.get_loop()
+        return runner.run(_play_all(workflow, list(tasks), rt, sampling, seed, progress, keep_workspaces))
+
+
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Ctrl-C held back until the block ends (in the main thread; elsewhere nothing to hold). An event loop
+    interrupted while it is being built is left half made, and its finaliser then fails with a traceback at exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)  # a Ctrl-C that came meanwhile lands here
 
 
 async def _play_all(
