@@ -37,10 +37,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from mappa.analysis.compare import over_seeds_text, per_task_text, seed_gain
 from mappa.analysis.stats import paired_t_power
 from mappa.config import load_config
-from mappa.metrics import answered, correct
 from mappa.tasks.answers import check_answer
 from mappa.types import Episode
 
@@ -110,21 +108,13 @@ def train(setting: Setting, run_dir: Path, seed: int, common: list[str], extra: 
 
 
 def learning(runs: dict[int, Path], label: str) -> dict:
-    """Start -> final held-out accuracy over the seeds' runs: per seed, over seeds (t) and per task."""
+    """Start -> final held-out accuracy over the seeds' runs (per seed, over seeds, per task), with the answered
+    share and the right number in any form beside it."""
     by_arm = {("process", s): d for s, d in runs.items()}
     start, final = pvo.evals(by_arm, "start")["process"], pvo.evals(by_arm, "final")["process"]
-    out: dict = {"seeds": sorted(runs), "tasks_per_seed": len(next(iter(final.values())))}
-    for what, hit in (("accuracy", correct), ("answered", answered), ("right_number", right_number)):
-        g = seed_gain(start, final, hit)
-        (m, ci), p = g.over_seeds, g.per_task
-        rate = {t: sum(hit(e) for s in runs for e in d[s]) / sum(len(d[s]) for s in runs) for t, d in
-                (("start", start), ("final", final))}  # fmt: skip
-        verdict = "" if g.one_seed else ("  beyond noise" if ci[0] > 0 or ci[1] < 0 else "  within noise")
-        print(f"  {label} {what}: {rate['start']:.1%} -> {rate['final']:.1%}; gain {over_seeds_text(g)}{verdict}")
-        print(f"    per seed {' '.join(f'{x * 100:+.1f}' for x in g.per_seed)} pp; per task: {per_task_text(g)}")
-        out[what] = {**rate, "gain": m, "ci_over_seeds": None if g.one_seed else list(ci),
-                     "per_seed": list(g.per_seed), "ci_per_task": list(p.gain_ci) if p else None}  # fmt: skip
-    return out
+    measures = (*pvo.MEASURES, ("right_number", right_number))
+    tasks = len(next(iter(final.values())))
+    return {"seeds": sorted(runs), "tasks_per_seed": tasks, **pvo.learned(start, final, label, measures)}
 
 
 def power(pilot: dict, target: float = 0.8) -> dict:

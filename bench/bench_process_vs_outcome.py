@@ -212,16 +212,30 @@ def start_differences(
     return out
 
 
-def learned(start: dict[int, list[Episode]], final: dict[int, list[Episode]]) -> dict:
-    """What the arm's own training changed, start -> final on the same held-out tasks, over seeds: the right answers
-    and the episodes that end with an answer at all (the format), each a paired gain per seed."""
+Measure = tuple[str, Callable[[Episode], bool]]
+MEASURES: tuple[Measure, ...] = (("accuracy", correct), ("answered", answered))
+
+
+def learned(
+    start: dict[int, list[Episode]],
+    final: dict[int, list[Episode]],
+    label: str = "learned,",
+    measures: tuple[Measure, ...] = MEASURES,
+) -> dict[str, dict]:
+    """What training changed, start -> final on the same held-out tasks, for each measure (the right answers, the
+    episodes that end with an answer at all, ...): the two rates, the paired gain per seed, its t interval over
+    seeds and the per-task interval beside it."""
     out = {}
-    for what, hit in (("accuracy", correct), ("answered", answered)):
+    for what, hit in measures:
         g = seed_gain(start, final, hit)
         (m, ci), p = g.over_seeds, g.per_task
-        print(f"    learned, {what}: {over_seeds_text(g)}")
-        out[f"learned_{what}"] = {"gain": m, "ci_over_seeds": None if g.one_seed else list(ci),
-                                  "per_seed": list(g.per_seed), "ci_per_task": list(p.gain_ci) if p else None}  # fmt: skip
+        rate = {t: sum(hit(e) for eps in d.values() for e in eps) / sum(map(len, d.values())) for t, d in
+                (("start", start), ("final", final))}  # fmt: skip
+        verdict = "" if g.one_seed else ("  beyond noise" if ci[0] > 0 or ci[1] < 0 else "  within noise")
+        print(f"  {label} {what}: {rate['start']:.1%} -> {rate['final']:.1%}; gain {over_seeds_text(g)}{verdict}")
+        print(f"    per seed {' '.join(f'{x * 100:+.1f}' for x in g.per_seed)} pp; per task: {per_task_text(g)}")
+        out[what] = {**rate, "gain": m, "ci_over_seeds": None if g.one_seed else list(ci),
+                     "per_seed": list(g.per_seed), "ci_per_task": list(p.gain_ci) if p else None}  # fmt: skip
     return out
 
 
@@ -361,7 +375,8 @@ def summarise(
         print(f"  {arm:8s} {coach}: start {pct(k0, n)} -> final {pct(k1, n)}; per seed "
               f"{', '.join(f'{p:.0%}' for p in per_seed)}")  # fmt: skip
         summary["arms"][arm] = {"coach": coach, "start": k0 / n, "final": k1 / n, "episodes": n,
-                                "final_per_seed": per_seed, **learned(start[arm], final[arm])}  # fmt: skip
+                                "final_per_seed": per_seed,
+                                **{f"learned_{k}": v for k, v in learned(start[arm], final[arm]).items()}}  # fmt: skip
     if "process" in arms:
         for other in (x for x in arms if x != "process"):
             gain = seed_gain(final[other], final["process"])  # other minus reference: process - other

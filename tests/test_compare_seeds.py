@@ -240,7 +240,11 @@ def test_the_bench_says_what_each_arm_learned_over_seeds(
     assert said["per_seed"] == pytest.approx([20 / TASKS, 10 / TASKS, 30 / TASKS])
     lo, hi = acc["ci_over_seeds"]
     assert acc["gain"] == pytest.approx(14 / 3 / TASKS) and lo < 0 < acc["gain"] < hi  # 3 seeds, t on 2 d.f.: wide
-    assert "learned, accuracy: +11.7 pp" in out and "learned, answered: +50.0 pp" in out and "over 3 seeds" in out
+    assert (
+        "learned, accuracy: 10.0% -> 21.7%; gain +11.7 pp" in out
+        and "learned, answered: 33.3% -> 83.3%; gain +50.0 pp" in out
+        and "over 3 seeds" in out
+    )
 
 
 def test_so_far_summarises_only_the_seeds_every_arm_finished(

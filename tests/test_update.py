@@ -210,6 +210,9 @@ def test_a_groups_result_holds_its_selection_rewards_and_update() -> None:
     assert same.update is None and same.optimizer_steps == 0
     assert all(torch.equal(a, b) for a, b in zip(before, policy.trainable_parameters("solver"), strict=True))
     assert all(torch.equal(state[k], v["exp_avg"]) for k, v in enumerate(optimizer.state.values()))
+    # scores alike as floats whose mean rounds (0.1 * 3 / 3 is not 0.1): still alike, still no step
+    tenths = apply_update(policy, optimizer, dataclasses.replace(job, actions=actions[:3], scores=[0.1] * 3))
+    assert tenths.reward_std == 0.0 and tenths.reward_zero_std and tenths.update is None
     idle = apply_update(policy, optimizer, dataclasses.replace(job, actions=[], scores=[]))
     assert idle.update is None and idle.optimizer_steps == 0 and idle.actions_trained == 0
     assert idle.reward_mean is None and idle.reward_zero_std is None and idle.lr == same.lr

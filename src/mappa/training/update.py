@@ -81,6 +81,12 @@ class UpdateStats:
     logprob_gap: float | None = None
 
 
+def scores_differ(scores: Sequence[float]) -> bool:
+    """The coach scored the actions differently: the only case with anything to learn from (`apply_update`; a
+    group's `reward_zero_std` is its negation)."""
+    return len(set(scores)) > 1
+
+
 @dataclass(frozen=True)
 class GroupResult:
     """One update group's part of a training step (`apply_update`): which of its actions trained, how many were
@@ -99,6 +105,8 @@ class GroupResult:
         scores = job.scores
         mean = sum(scores) / len(scores) if scores else None
         std = math.sqrt(sum((s - mean) ** 2 for s in scores) / len(scores)) if mean is not None else None
+        if scores and not scores_differ(scores):
+            std = 0.0  # exactly: three scores of 0.1 have a float mean that is not 0.1, and a std of 3e-17
         return cls(len(job.actions), dict(job.dropped), mean, std, lr, update)
 
     @property
@@ -325,7 +333,7 @@ def apply_update(policy: Any, optimizer: torch.optim.Optimizer, job: UpdateJob) 
     # Scores without spread leave only the KL penalty's per-token noise in the returns, and whitening scales any
     # noise up to unit advantages: Adam would then take a full-size step that no score asked for (measured on the
     # 0.5B team: one such step moved held-out answers 3% -> 44%). Such a group is left as it is.
-    if len(set(job.scores)) > 1:
+    if scores_differ(job.scores):
         stats = update_group(policy, optimizer, job.actions, job.scores, job.settings, seed=job.seed, lr=lr)
     return GroupResult.of(job, stats, optimizer.param_groups[0]["lr"])
 
