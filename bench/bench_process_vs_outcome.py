@@ -55,6 +55,7 @@ from mappa.analysis.compare import (
     seed_gain,
 )
 from mappa.analysis.stats import paired_t_power
+from mappa.cli.train import NOTHING_TRAINED
 from mappa.config import load_config
 from mappa.metrics import answered, correct, wilson_interval
 from mappa.training.tracking import is_run_dir
@@ -164,7 +165,10 @@ def train_arm(config: str, run_dir: Path, overrides: list[str]) -> float:
             cmd += ["--set", o]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT)
-    if proc.returncode != 0:
+    # A run that moved no weight (exit 3) is still its arm's result, not a failure: an outcome-only coach at a low
+    # base accuracy scores every action of a step alike when every episode is wrong. Its final evaluation is the
+    # start model's; the run's own warning line says so.
+    if proc.returncode not in (0, NOTHING_TRAINED):
         raise SystemExit(f"{run_dir.name}: training failed with exit code {proc.returncode}")
     return time.perf_counter() - t0
 

@@ -205,6 +205,9 @@ def train_cfg(**train: object) -> Config:
     return Config().model_copy(update={"train": Config().train.model_copy(update=train)})
 
 
+SPREAD_COACH = f"{Path(__file__).with_name('spread_coach.py')}:score"  # tiny models' replies score alike on the rubric
+
+
 def tiny_cfg(tmp_path: Path, *overrides: str) -> Config:
     return load_config(
         None,
@@ -216,7 +219,7 @@ def tiny_cfg(tmp_path: Path, *overrides: str) -> Config:
             "generation.max_context_tokens=1024",
             "sandbox.pool=false",
             "sandbox.timeout_s=5",
-            "coach.backend=rubric",
+            f"coach.backend={SPREAD_COACH}",
             "coach.cache=false",
             "tasks.arithmetic_train_size=16",
             "tasks.arithmetic_eval_size=2",
@@ -317,7 +320,7 @@ TINY = [
     "model.lora_alpha=8",
     "generation.max_new_tokens=10",
     "sandbox.pool=false",
-    "coach.backend=rubric",
+    f"coach.backend={SPREAD_COACH}",
     "coach.cache=false",
     "tasks.arithmetic_train_size=32",
     "tasks.arithmetic_eval_size=2",

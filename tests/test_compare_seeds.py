@@ -9,12 +9,13 @@ import math
 from pathlib import Path
 
 import pytest
-from helpers import make_episode, mappa, write_run
+from helpers import make_episode, mappa, tiny_cfg, write_run
 
 from mappa.analysis.compare import coach_label, compare_arms, compare_runs, group_arms, seed_gain
 from mappa.analysis.runs import RunData, load_run
 from mappa.analysis.sections import Plots, comparison
 from mappa.analysis.stats import paired_t_power, t_interval, welch_interval
+from mappa.config import dump_config
 
 pytestmark = pytest.mark.integration
 
@@ -272,3 +273,19 @@ def test_one_seed_json_has_null_not_nan(tmp_path: Path) -> None:
     text = (tmp_path / "c.json").read_text()
     rows = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
     assert rows[1]["arm_vs_first"]["over_seeds"][1] == [None, None] and rows[1]["seed"] == 42
+
+
+def test_an_arm_that_moves_no_weight_is_a_result_not_a_failure(bench, tmp_path: Path) -> None:
+    """An outcome-only arm at a low base rate can score every action of every step alike: `mappa train` exits 3
+    (nothing moved), and the bench keeps the run as that arm's result instead of stopping the benchmark."""
+    (tmp_path / "flat.py").write_text("def score(ctx):\n    return 0.0\n")
+    cfg = tiny_cfg(
+        tmp_path, "logging.report_to=[]", "train.self_test=false", f"coach.backend={tmp_path}/flat.py:score"
+    )
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    run_dir = tmp_path / "outcome-seed1"
+    assert bench.train_arm(str(tmp_path / "config.yaml"), run_dir, ["seed=1"]) > 0
+    assert (run_dir / "eval" / "final.jsonl").is_file()
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(v == 0 for r in rows for k, v in r.items() if k.endswith("/optimizer_steps"))
+    assert bench.train_arm(str(tmp_path / "config.yaml"), run_dir, ["seed=1"]) == 0.0  # finished: reused

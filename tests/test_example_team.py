@@ -318,7 +318,11 @@ def test_the_team_trains_through_the_cli(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cli = [sys.executable, "-m", "mappa.cli", "train", str(EXAMPLE / "config.yaml"), *args]
     proc = subprocess.run(cli, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    moved = any(v > 0 for r in rows for k, v in r.items() if k.endswith("/optimizer_steps"))
+    # the tiny model's replies mostly score alike under these rules: a run that moved no weight says so, exit 3
+    assert proc.returncode == (0 if moved else 3), proc.stderr[-2000:]
+    assert moved or "WARNING: no agent was updated" in proc.stderr
     saved = load_config(run_dir / "config.yaml")  # absolute: --resume, eval and report import them from anywhere
     assert saved.workflow.name == f"{EXAMPLE}/team.py:CoderReviewer"
     assert saved.coach.backend == f"{EXAMPLE}/rewards.py:score"

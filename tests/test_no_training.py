@@ -57,13 +57,19 @@ def test_the_report_line_spans_the_steps_and_sums_the_counts() -> None:
     assert untrained_lines([step_row(1, coder={"trained": 1})]) == []
 
 
-def test_trained_nothing_needs_steps_that_trained_nothing() -> None:
-    def result(trained: dict[str, int], steps: int) -> TrainResult:
-        return TrainResult(Path("."), steps, {}, None, trained, steps)
+def test_trained_nothing_needs_steps_that_moved_no_weight() -> None:
+    def result(trained: dict[str, int], moved: dict[str, int], steps: int) -> TrainResult:
+        return TrainResult(Path("."), steps, {}, None, trained, steps, optimizer_steps=moved)
 
-    assert result({"coder": 0, "verifier": 0}, 2).trained_nothing
-    assert not result({"coder": 0, "verifier": 1}, 2).trained_nothing
-    assert not result({}, 0).trained_nothing  # a resume of a finished run ran no step: nothing to judge
+    dropped = result({"coder": 0, "verifier": 0}, {"coder": 0, "verifier": 0}, 2)
+    assert dropped.trained_nothing and dropped.why_nothing_trained == "no agent trained on any action"
+    # actions kept, but every step's scores agreed within each agent: no update, the weights never moved
+    alike = result({"coder": 4, "verifier": 8}, {"coder": 0, "verifier": 0}, 2)
+    assert (
+        alike.trained_nothing and "scored each agent's kept actions alike in every step" in alike.why_nothing_trained
+    )
+    assert not result({"coder": 0, "verifier": 1}, {"coder": 0, "verifier": 1}, 2).trained_nothing
+    assert not result({}, {}, 0).trained_nothing  # a resume of a finished run ran no step: nothing to judge
 
 
 def run_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], *overrides: str) -> tuple[int, str, Path]:
@@ -95,6 +101,21 @@ def test_a_run_that_drops_every_action_warns_and_exits_3(tmp_path: Path, capsys:
     page = build_report([run], [run.thresholds()]).html()
     for g in groups:
         assert f'<div class="warn">warning: {run.name}: {g} trained on no action at steps 1-2: ' in page
+
+
+def test_a_run_whose_scores_never_differ_warns_and_exits_3(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # every action kept and scored, all alike: no agent has a spread to learn from, so no weight moves
+    (tmp_path / "flat.py").write_text("def score(ctx):\n    return 6.0\n")
+    code, err, run_dir = run_cli(tmp_path, capsys, f"coach.backend={tmp_path}/flat.py:score", "train.self_test=false")
+    assert code == 3, err
+    steps = [r for r in json.loads("[" + ",".join((run_dir / "metrics.jsonl").read_text().splitlines()) + "]")
+             if "time/rollout_s" in r]  # fmt: skip
+    kept = {k: v for r in steps for k, v in r.items() if k.endswith("/actions_trained")}
+    assert len(steps) == 2 and kept and all(v > 0 for v in kept.values())
+    assert all(v == 0 for r in steps for k, v in r.items() if k.endswith("/optimizer_steps"))
+    assert "trained on no action" not in err and "no spread: nothing to learn from, not updated" in err
+    assert any(x.startswith("WARNING: no agent was updated: the coach scored each agent's kept actions alike in "
+                            "every step (no spread) in 2 step(s)") for x in err.splitlines()), err  # fmt: skip
 
 
 def test_a_run_that_trains_exits_0_without_the_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,7 +23,7 @@ from mappa.errors import MappaError
 from mappa.plugins import anchor, coach_kind, is_import_path, load_object
 from mappa.tasks import load_tasks
 from mappa.training.rewards import per_action_scores
-from mappa.types import Action, CoachContext, CoachScore, Episode, Message, Task
+from mappa.types import Action, CoachContext, CoachScore, Episode, Message, Task, read_jsonl
 from mappa.workflows import build_workflow
 
 TINY = [
@@ -207,7 +207,10 @@ def _team_files(tmp_path: Path) -> Path:
             """
         )
     )
-    (project / "rewards.py").write_text("def score(ctx):\n    return 7.0 if ctx.output.strip() else None\n")
+    # scores that differ between replies: alike, they would train nothing (and `mappa train` would exit 3)
+    (project / "rewards.py").write_text(
+        "def score(ctx):\n    return (7.0 if len(ctx.output) % 2 else 3.0) if ctx.output.strip() else None\n"
+    )
     (project / "config.yaml").write_text(
         yaml.safe_dump(
             {
@@ -233,8 +236,9 @@ def test_a_team_from_outside_the_package_trains_through_the_cli_and_resumes(
     assert build_workflow(saved).name == "mine"
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step = next(r for r in rows if r.get("step") == 1 and "time/rollout_s" in r)
-    trained = [k for k in step if k.endswith("/actions_trained") and step[k] > 0]
-    assert trained and all(step[k.replace("actions_trained", "reward_mean")] == 7.0 for k in trained)
+    scores = [a.coach.score for e in read_jsonl(run_dir / "episodes.jsonl", Episode) for a in e.actions if a.coach]
+    assert set(scores) == {3.0, 7.0}  # the plug-in's, recorded as scored
+    assert any(step[k] > 0 for k in step if k.endswith("/optimizer_steps"))
     err = capsys.readouterr().err
     assert "the plug-in answered" in err  # the self-test reached the plug-in coach
     # not a terminal (a CI log): what is under way, and progress lines within a step

@@ -152,7 +152,7 @@ class ConsoleLines:
                 f"{gain.gain * 100:+.1f} pp, 95% CI [{lo * 100:+.1f}, {hi * 100:+.1f}] pp"
             )
         if result.trained_nothing:
-            self.write(f"WARNING: no agent trained on any action in {result.step} step(s) (the step lines say why)")
+            self.write(f"WARNING: {result.why_nothing_trained} in {result.step} step(s) (the step lines say why)")
         self.write(f"run: {result.run_dir}")
 
 
@@ -210,9 +210,10 @@ def train(
 ) -> TrainResult:
     """Train a team; returns a `TrainResult`: `run_dir` (where everything is saved), `final` (the final evaluation's
     metrics, e.g. `final["eval/accuracy"]`), `gain` (held-out accuracy after minus before, with its interval), and
-    how many actions each agent (update group) trained on: `result.trained_nothing` is True when no agent trained
-    on any action (every one left out: cut off at the token cap, unscored, ...; the steps' metrics say why). The run
-    is then returned as any other, not raised; `mappa train` exits 3 on it.
+    how many actions and optimizer steps each agent (update group) trained on: `result.trained_nothing` is True when
+    no agent's weights moved (every action left out: cut off at the token cap, unscored, ...; or each step's kept
+    actions all scored alike; the steps' metrics say why). The run is then returned as any other, not raised;
+    `mappa train` exits 3 on it.
 
     `workflow`: a built workflow (`mappa.protocols.Workflow`); `coach`: a coach instance, class, factory or a
     reward function ctx -> 0-10 | None (`mappa.coach.plugin`); `train_tasks` / `eval_tasks`: lists of Task. Each

@@ -6,7 +6,7 @@ modules return records and take an optional progress callback. `parser.py` (the 
 arguments and imports each command's module lazily, so that `mappa sandbox run` does not pay for importing torch.
 User errors (MappaError) print one line and exit 2, and so does an exception raised in the user's own code (a
 plug-in), named by its file and line (`mappa.plugins.user_code_error`); `--debug` or `MAPPA_DEBUG=1` prints the
-whole traceback too. `mappa train` exits 3 when no agent trained on any action (a warning line says so); Ctrl-C
+whole traceback too. `mappa train` exits 3 when no agent's weights moved (a warning line says why); Ctrl-C
 exits 130.
 """
 

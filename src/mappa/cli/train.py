@@ -7,8 +7,8 @@ each agent's mean coach score, loss / KL, optimizer steps, clip fraction, second
 agent that trained on no action in that step, with why (actions cut off at the token cap, unscored, ...), and one
 per agent whose trained actions all scored alike (nothing to learn from: not updated). At the end, the held-out accuracy before
 and after with 95% intervals that count tasks (several samples of one task are one unit), and the gain with a 95%
-interval over the tasks, paired (`mappa.metrics.accuracy_gain`), so a gain can be told from noise. The first line names the sandbox's confinement, the next the run directory. A run in which no
-agent trained on any action ends with a warning line and exit code 3. Ctrl-C ends with the step that is saved and
+interval over the tasks, paired (`mappa.metrics.accuracy_gain`), so a gain can be told from noise. The first line names the sandbox's confinement, the next the run directory. A run that moved no
+agent's weights (no action kept, or every step's kept actions scored alike) ends with a warning line and exit code 3. Ctrl-C ends with the step that is saved and
 the exact command that continues the run (exit code 130).
 """
 
@@ -34,7 +34,7 @@ from mappa.training.tracking import StepResult, is_run_dir, run_config
 from mappa.training.trainer import Event, TrainResult
 from mappa.training.update import UpdateStats
 
-NOTHING_TRAINED = 3  # the exit code of a run in which no agent trained on any action (docs/training.md)
+NOTHING_TRAINED = 3  # the exit code of a run that moved no agent's weights (docs/training.md)
 SCORES_LABEL = "mean coach score (0-10)"  # over the step table's agent columns
 
 
@@ -146,9 +146,9 @@ class Printer:
 
 
 def nothing_trained_line(result: TrainResult) -> str:
-    """The end-of-run warning of a run whose steps trained no agent on any action (exit code 3)."""
+    """The end-of-run warning of a run whose steps moved no agent's weights (exit code 3)."""
     return (
-        f"WARNING: no agent trained on any action in {result.step} step(s); the weights are the ones the run "
+        f"WARNING: {result.why_nothing_trained} in {result.step} step(s); the weights are the ones the run "
         "started from (the step lines above say why). Exit code 3."
     )
 

@@ -302,22 +302,31 @@ class TrainResult:
     actions_trained: dict[str, int] = field(default_factory=dict)  # per update group, over all the run's steps
     steps_run: int = 0  # training steps this call ran (0: a resume of a finished run)
     answered: Gain | None = None  # as `gain`, for the share of episodes that end with a final answer, right or wrong
+    optimizer_steps: dict[str, int] = field(default_factory=dict)  # per update group, over all the run's steps
 
     @property
     def trained_nothing(self) -> bool:
-        """Steps ran and no group trained on a single action in any step of the run (a resume counts the steps
-        before it): every weight is where it started, so the run measured nothing (the CLI exits 3; the steps'
-        metrics say why, `mappa.training.rewards.untrained_groups`)."""
-        return self.steps_run > 0 and not any(self.actions_trained.values())
+        """Steps ran and no group took an optimizer step in any step of the run (a resume counts the steps before
+        it): every weight is where it started, so the run measured nothing (the CLI exits 3). Either every action
+        was left out (`mappa.training.rewards.untrained_groups` says why) or, where some were kept, the coach
+        scored each group's alike in every step (no spread: nothing to learn from, `apply_update`)."""
+        return self.steps_run > 0 and not any(self.optimizer_steps.values())
+
+    @property
+    def why_nothing_trained(self) -> str:
+        """What `trained_nothing` means for this run, as its warning says it."""
+        if not any(self.actions_trained.values()):
+            return "no agent trained on any action"
+        return "no agent was updated: the coach scored each agent's kept actions alike in every step (no spread)"
 
 
-def trained_before(run_dir: Path, groups: Sequence[str]) -> dict[str, int]:
-    """The actions each group trained on in the steps metrics.jsonl holds (read by the file's names): on a resume,
-    those up to its checkpoint (the resume cut the file back there, `Tracker`)."""
+def run_totals(run_dir: Path, groups: Sequence[str], name: str) -> dict[str, int]:
+    """Each group's `agent/<g>/<name>` (actions_trained, optimizer_steps) summed over the steps metrics.jsonl holds:
+    on a resume, those up to its checkpoint (the resume cut the file back there, `Tracker`)."""
     out = dict.fromkeys(groups, 0)
     for row in read_metrics(run_dir):
         for g in groups:
-            out[g] += int(row.get(f"agent/{g}/actions_trained", 0))
+            out[g] += int(row.get(f"agent/{g}/{name}", 0))
     return out
 
 
@@ -338,12 +347,16 @@ def train(
             atomic_write(run_dir / "config.yaml", dump_config(cfg))  # a kill here leaves the old one whole
         if run.step == 0:
             run_eval(run, "start")
-        trained = trained_before(run_dir, run.groups) if run.step else dict.fromkeys(run.groups, 0)
+        trained, moved = (
+            run_totals(run_dir, run.groups, name) if run.step else dict.fromkeys(run.groups, 0)
+            for name in ("actions_trained", "optimizer_steps")
+        )
         first = run.step
         while run.step < cfg.train.steps:
             result = train_step(run)
             for g, r in result.groups.items():
                 trained[g] += r.actions_trained
+                moved[g] += r.optimizer_steps
             if cfg.train.eval_every and run.step % cfg.train.eval_every == 0 and run.step != cfg.train.steps:
                 run_eval(run, f"step-{run.step:06d}")
         final = run_eval(run, "final")
@@ -353,4 +366,4 @@ def train(
             run.tracker.log(gain_metrics(gain), run.step)
     finally:
         run.close()
-    return TrainResult(run_dir, run.step, final, gain, trained, run.step - first, answers)
+    return TrainResult(run_dir, run.step, final, gain, trained, run.step - first, answers, moved)
