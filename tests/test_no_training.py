@@ -57,6 +57,18 @@ def test_the_report_line_spans_the_steps_and_sums_the_counts() -> None:
     assert untrained_lines([step_row(1, coder={"trained": 1})]) == []
 
 
+def test_the_report_names_agents_kept_but_not_updated() -> None:
+    rows = [step_row(s, coder={"trained": 2}, verifier={"trained": 3}) for s in (1, 2, 3)]
+    for r, moved in zip(rows, ((2, 0), (1, 0), (0, 4)), strict=True):  # optimizer steps: coder, verifier
+        r["agent/coder/optimizer_steps"], r["agent/verifier/optimizer_steps"] = moved
+    assert untrained_lines(rows) == [
+        "verifier not updated at steps 1-2: the coach scored its kept actions alike (no spread)",
+        "coder not updated at step 3: the coach scored its kept actions alike (no spread)",
+    ]
+    legacy = [step_row(1, coder={"trained": 2})]  # a run from before optimizer steps were logged: no claim
+    assert untrained_lines(legacy) == []
+
+
 def test_trained_nothing_needs_steps_that_moved_no_weight() -> None:
     def result(trained: dict[str, int], moved: dict[str, int], steps: int) -> TrainResult:
         return TrainResult(Path("."), steps, {}, None, trained, steps, optimizer_steps=moved)
@@ -116,6 +128,11 @@ def test_a_run_whose_scores_never_differ_warns_and_exits_3(tmp_path: Path, capsy
     assert "trained on no action" not in err and "no spread: nothing to learn from, not updated" in err
     assert any(x.startswith("WARNING: no agent was updated: the coach scored each agent's kept actions alike in "
                             "every step (no spread) in 2 step(s)") for x in err.splitlines()), err  # fmt: skip
+    run = load_run(run_dir)
+    page = build_report([run], [run.thresholds()]).html()
+    groups = sorted({k.split("/")[1] for k in kept})
+    for g in groups:
+        assert f"{run.name}: {g} not updated at steps 1-2: the coach scored its kept actions alike" in page
 
 
 def test_a_run_that_trains_exits_0_without_the_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -126,7 +143,8 @@ def test_a_run_that_trains_exits_0_without_the_warning(tmp_path: Path, capsys: p
     assert err.index("ending with a final answer") < err.index("held-out accuracy") < err.index("gain ")
     run = load_run(run_dir)
     report = build_report([run], [run.thresholds()])
-    assert report.untrained == [] and "trained on no action" not in report.html()
+    assert not [x for x in report.untrained if "trained on no action" in x]
+    assert "trained on no action" not in report.html()
 
 
 def test_a_resume_counts_what_the_run_trained_before_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mappa.analysis.runs import score_of, step_of
-from mappa.training.rewards import no_training_reason, untrained_groups
+from mappa.training.rewards import alike_groups, no_training_reason, untrained_groups
 from mappa.types import Action, Episode
 
 Series = dict[int, float]  # step -> value
@@ -94,19 +94,26 @@ def _step_ranges(steps: Sequence[int]) -> str:
 
 
 def untrained_lines(metrics: Sequence[dict[str, Any]], max_new_tokens: int | None = None) -> list[str]:
-    """One line per agent (update group) that trained on no action in some step, e.g. "verifier trained on no
+    """One line per agent (update group) whose weights did not move in some step, e.g. "verifier trained on no
     action at steps 1-2: 6 of 6 cut off at generation.max_new_tokens=128 (train.drop_truncated)", the counts
-    summed over those steps: the learning curves of such a step show weights that never moved."""
+    summed over those steps, or "verifier not updated at step 2: the coach scored its kept actions alike (no
+    spread)": the learning curves of such a step show weights that never moved."""
     steps: dict[str, list[int]] = defaultdict(list)
+    alike: dict[str, list[int]] = defaultdict(list)
     drops: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for r in training_rows(metrics):
         for group, dropped in untrained_groups(r).items():
             steps[group].append(int(r["step"]))
             for why, n in dropped.items():
                 drops[group][why] += n
+        for group in alike_groups(r):
+            alike[group].append(int(r["step"]))
     return [
         f"{g} trained on no action at {_step_ranges(s)}: {no_training_reason(drops[g], max_new_tokens)}"
         for g, s in steps.items()
+    ] + [
+        f"{g} not updated at {_step_ranges(s)}: the coach scored its kept actions alike (no spread)"
+        for g, s in alike.items()
     ]
 
 

@@ -110,6 +110,17 @@ def untrained_groups(metrics: Mapping[str, float]) -> dict[str, dict[str, int]]:
     return out
 
 
+def alike_groups(metrics: Mapping[str, float]) -> list[str]:
+    """The update groups that kept actions in one step's row of metrics.jsonl but took no optimizer step: the coach
+    scored them alike, so there was nothing to learn from (`mappa.training.update.scores_differ`)."""
+    return [
+        key.split("/")[1]
+        for key, value in metrics.items()
+        if key.startswith("agent/") and key.endswith("/optimizer_steps") and value == 0
+        and metrics.get(key.replace("/optimizer_steps", "/actions_trained"), 0) > 0
+    ]  # fmt: skip
+
+
 def no_training_reason(dropped: Mapping[str, int], max_new_tokens: int | None = None) -> str:
     """Why a group trained on no action, from its drop counts: "6 of 6 cut off at generation.max_new_tokens=128
     (train.drop_truncated)", each reason with the setting that drops it, so the fix is named with the cause."""
