@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers import SPREAD_COACH
 from rich.console import Console
 
 from mappa.cli import build_parser
@@ -337,11 +338,10 @@ def test_the_train_console_prints_progress_lines_when_not_a_terminal() -> None:
 @pytest.mark.slow
 def test_a_training_run_in_a_log_shows_progress_inside_each_step(tmp_path: Path) -> None:
     """`mappa train` with its output piped (CI, nohup): a line per phase and progress lines within it."""
-    write(tmp_path, "rewards.py", "def score(ctx):\n    return 7.0\n")
     settings = [
         "model.name=tiny-random", "model.lora_r=4", "generation.max_new_tokens=8", "sandbox.pool=false",
         "tasks.arithmetic_train_size=4", "tasks.arithmetic_eval_size=2", "train.prompts_per_step=2",
-        "train.samples_per_prompt=1", "train.steps=1", "train.drop_truncated=false", "coach.backend=rewards.py:score",
+        "train.samples_per_prompt=1", "train.steps=1", "train.drop_truncated=false", f"coach.backend={SPREAD_COACH}",
         "logging.report_to=[]", f"run_dir={tmp_path / 'run'}",
     ]  # fmt: skip
     proc = mappa("train", *(a for o in settings for a in ("--set", o)), cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
