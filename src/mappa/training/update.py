@@ -106,7 +106,7 @@ class GroupResult:
         mean = sum(scores) / len(scores) if scores else None
         std = math.sqrt(sum((s - mean) ** 2 for s in scores) / len(scores)) if mean is not None else None
         if scores and not scores_differ(scores):
-            std = 0.0  # exactly: three scores of 0.1 have a float mean that is not 0.1, and a std of 3e-17
+            std = 0.0  # exactly: three scores of 0.1 have a float mean that is not 0.1, and a std of 1e-17
         return cls(len(job.actions), dict(job.dropped), mean, std, lr, update)
 
     @property
