@@ -133,6 +133,18 @@ def power(pilot: dict, target: float = 0.8) -> dict:
             "power": paired_t_power(gap, sd, seeds or MAX_SEEDS)}  # fmt: skip
 
 
+def arms_power(main: dict, seeds: int, target: float = 0.8) -> dict:
+    """The smallest difference in held-out accuracy between two arms that `seeds` paired seeds find with
+    probability `target`. Arms train apart from the same base and tasks, so one seed's difference between two
+    arms' finals has about sqrt(2) times the spread of one arm's per-seed gain, taken from the main runs."""
+    gains = main["accuracy"]["per_seed"]
+    mean = sum(gains) / len(gains)
+    sd = math.sqrt(2 * sum((g - mean) ** 2 for g in gains) / (len(gains) - 1))
+    steps = (k / 1000 for k in range(1, 1001))
+    detectable = next((d for d in steps if paired_t_power(d, sd, seeds) >= target), float("nan"))
+    return {"seeds": seeds, "difference_sd": sd, "target": target, "detectable": detectable}
+
+
 def hours(took: list[dict]) -> dict:
     """Wall and CPU hours of the runs; CPU over the runs that recorded it (one trained elsewhere may not have)."""
     cpu = [t["cpu_s"] for t in took if t.get("cpu_s") is not None]
@@ -156,6 +168,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, default=None, help="main seeds (default: the power calculation's)")
     ap.add_argument("--eval-size", type=int, default=None, help="held-out tasks per seed (default: the setting's)")
     ap.add_argument("--arms", default="", help="e.g. process,outcome,shared: the paper's question at this setting")
+    ap.add_argument(
+        "--arm-seeds",
+        type=int,
+        default=None,
+        help="the arms on the first K main seeds only (default: all); the smallest difference they can detect is printed",
+    )
     ap.add_argument(
         "--so-far", action="store_true",
         help="train nothing: summarise the pilot and the main seeds finished so far (interim.json), e.g. while it runs",
@@ -203,12 +221,17 @@ def main(argv: list[str] | None = None) -> dict:
     took = [train(setting, d, s, common) for s, d in main_runs.items()]
     summary["main"] = {**learning(main_runs, "main"), "hours": hours(took)}
     print(hours_line("main", summary["main"]), flush=True)
+    if arms:
+        arm_seeds = list(main_runs)[: a.arm_seeds or n]
+        summary["arms_power"] = arms_power(summary["main"], len(arm_seeds))
+        print(f"arms on seeds {arm_seeds[0]}-{arm_seeds[-1]}: a difference between two arms of "
+              f"{summary['arms_power']['detectable'] * 100:.1f} pp or more is found with 80% power", flush=True)  # fmt: skip
     for arm in (x for x in arms if x != "process"):
-        took += [train(setting, out / f"{arm}-seed{s}", s, common, tuple(pvo.ARMS[arm])) for s in main_runs]
+        took += [train(setting, out / f"{arm}-seed{s}", s, common, tuple(pvo.ARMS[arm])) for s in arm_seeds]
     if arms:
         names = list(dict.fromkeys(["process", *arms]))
-        arm_runs = {(arm, s): out / f"{arm}-seed{s}" for arm in names for s in main_runs}
-        summary["arms"] = pvo.summarise(out, names, list(main_runs), arm_runs, name="arms.json")
+        arm_runs = {(arm, s): out / f"{arm}-seed{s}" for arm in names for s in arm_seeds}
+        summary["arms"] = pvo.summarise(out, names, arm_seeds, arm_runs, name="arms.json")
     summary["main"]["hours_with_arms"] = hours(took)
     return write(out / "summary.json", summary)
 

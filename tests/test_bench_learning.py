@@ -93,6 +93,32 @@ def test_pilot_sizes_the_main_run_and_the_arms_reuse_it(
     assert len(calls) == n and again["main"]["accuracy"] == summary["main"]["accuracy"]  # nothing trained again
 
 
+def test_arms_on_fewer_seeds_say_the_smallest_difference_they_can_find(
+    bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gains = {s: (0, s % 4) for s in range(1, 200)}  # gains of 0-15 pp a seed: a spread to size the arms by
+    calls = fake_training(bench, monkeypatch, {"process": gains, "shared": {s: (0, 1) for s in gains}})
+    summary = bench.main(["--out", str(tmp_path), "--seeds", "6", "--arms", "process,shared", "--arm-seeds", "3"])
+    assert [s for arm, s, _ in calls if arm == "process"] == [101, 102, 1, 2, 3, 4, 5, 6]
+    assert [s for arm, s, _ in calls if arm == "shared"] == [1, 2, 3]  # the arms on the first three main seeds
+    assert all("model.agent_weights=shared" in o for arm, _, o in calls if arm == "shared")
+    plan = summary["arms_power"]
+    per_seed = summary["main"]["accuracy"]["per_seed"]
+    mean = sum(per_seed) / 6
+    assert plan["difference_sd"] == pytest.approx((2 * sum((g - mean) ** 2 for g in per_seed) / 5) ** 0.5)
+    d = plan["detectable"]  # the smallest difference found with 80% power, to the nearest 0.1 pp
+    assert (
+        bench.paired_t_power(d, plan["difference_sd"], 3)
+        >= 0.8
+        > bench.paired_t_power(d - 0.001, plan["difference_sd"], 3)
+    )
+    assert bench.arms_power(summary["main"], 12)["detectable"] < d  # more seeds find a smaller difference
+    assert f"{d * 100:.1f} pp or more is found with 80% power" in capsys.readouterr().out
+    assert summary["arms"]["gaps"]["process-shared"]["gain"] == pytest.approx(
+        sum(s % 4 - 1 for s in (1, 2, 3)) / 3 / TASKS
+    )
+
+
 def test_a_gain_within_noise_is_called_so(
     bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
