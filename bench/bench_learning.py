@@ -13,7 +13,8 @@ interval beside it (tasks x seeds pooled, seed variation left out).
     main   seeds 1..n at that size: start -> final held-out accuracy, the gain over seeds and per task, the
            episodes ending with an answer (the format) beside it, and the wall and CPU hours it took.
     arms   (--arms) the paper's question at the same setting, seeds and tasks, with bench_process_vs_outcome's
-           runs and analysis: process rewards (the main runs) vs outcome-only rewards vs one shared policy.
+           runs and analysis: process rewards (the main runs) vs outcome-only rewards vs one shared policy, on the
+           first --arm-seeds main seeds, with the smallest difference between two arms that size finds (80% power).
 
 `--quick` runs 2 seeds x 16 held-out tasks, no pilot, no arms: the direction in about 30 minutes. Runs go under
 --out (pilot/, quick/, <arm>-seed<S>); a finished run is reused and a killed one resumed, and `--so-far` trains
@@ -21,7 +22,8 @@ nothing and summarises the main seeds finished so far (interim.json) while a lon
 
     .venv/bin/python bench/bench_learning.py --quick                      # ~30 min: the direction
     .venv/bin/python bench/bench_learning.py                              # pilot, power, main (~2 h)
-    .venv/bin/python bench/bench_learning.py --arms process,outcome,shared  # + the paper's question (~4 h more)
+    .venv/bin/python bench/bench_learning.py --arms process,outcome,shared --arm-seeds 4  # + the paper's question
+                                                                          # on seeds 1-4 (~1 h more; 38 pp detectable)
     .venv/bin/python bench/bench_learning.py --setting smollm-demo --seeds 5  # the 135M demo, for contrast
 """
 
