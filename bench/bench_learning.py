@@ -194,6 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
     arms = [x.strip() for x in a.arms.split(",") if x.strip()]
     if unknown := [x for x in arms if x not in pvo.ARMS]:
         raise SystemExit(f"--arms: unknown arm(s) {unknown} (known: {', '.join(pvo.ARMS)})")
+    if a.arm_seeds is not None and (not arms or a.arm_seeds < 2):
+        raise SystemExit(f"--arm-seeds {a.arm_seeds}: needs --arms and at least 2 seeds (an interval over seeds)")
     load_config(str(ROOT / setting.config), common)  # a bad --set fails here, before an hour of training
     tasks = f"{eval_size} held-out tasks" if eval_size else "the config's held-out tasks"
     print(f"setting {a.setting}: {setting.what}; {tasks} per seed", flush=True)

@@ -165,6 +165,9 @@ def test_bad_arms_and_settings_fail_before_training(bench, tmp_path: Path, monke
     calls = fake_training(bench, monkeypatch, {})
     with pytest.raises(SystemExit, match="unknown arm"):
         bench.main(["--out", str(tmp_path), "--arms", "process,coached"])
+    for bad in (["--arm-seeds", "3"], ["--arms", "process,outcome", "--arm-seeds", "1"]):
+        with pytest.raises(SystemExit, match="--arm-seeds .*needs --arms and at least 2 seeds"):
+            bench.main(["--out", str(tmp_path), *bad])
     with pytest.raises(Exception, match="no_such_key"):
         bench.main(["--out", str(tmp_path), "--set", "train.no_such_key=1"])
     assert calls == []
