@@ -35,6 +35,7 @@ import json
 import math
 import re
 import resource
+import statistics
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -125,8 +126,8 @@ def power(pilot: dict, target: float = 0.8) -> dict:
     gain at the pilot's accuracies: two or three pilot seeds can agree by luck, and the floor keeps that luck
     from shrinking the plan."""
     gains = pilot["accuracy"]["per_seed"]
-    gap = sum(gains) / len(gains)
-    sample_sd = math.sqrt(sum((g - gap) ** 2 for g in gains) / (len(gains) - 1)) if len(gains) > 1 else 0.0
+    gap = statistics.fmean(gains)
+    sample_sd = statistics.stdev(gains) if len(gains) > 1 else 0.0
     p0, p1, n = pilot["accuracy"]["start"], pilot["accuracy"]["final"], pilot["tasks_per_seed"]
     floor = math.sqrt((p0 * (1 - p0) + p1 * (1 - p1)) / n)
     sd = max(sample_sd, floor)
@@ -139,9 +140,7 @@ def arms_power(main: dict, seeds: int, target: float = 0.8) -> dict:
     """The smallest difference in held-out accuracy between two arms that `seeds` paired seeds find with
     probability `target`. Arms train apart from the same base and tasks, so one seed's difference between two
     arms' finals has about sqrt(2) times the spread of one arm's per-seed gain, taken from the main runs."""
-    gains = main["accuracy"]["per_seed"]
-    mean = sum(gains) / len(gains)
-    sd = math.sqrt(2 * sum((g - mean) ** 2 for g in gains) / (len(gains) - 1))
+    sd = math.sqrt(2) * statistics.stdev(main["accuracy"]["per_seed"])
     steps = (k / 1000 for k in range(1, 1001))
     detectable = next((d for d in steps if paired_t_power(d, sd, seeds) >= target), float("nan"))
     return {"seeds": seeds, "difference_sd": sd, "target": target, "detectable": detectable}
@@ -227,12 +226,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(hours_line("main", summary["main"]), flush=True)
     if arms:
         arm_seeds = list(main_runs)[: a.arm_seeds or n]
-        summary["arms_power"] = arms_power(summary["main"], len(arm_seeds))
+        plan = summary["arms_power"] = arms_power(summary["main"], len(arm_seeds))
         print(f"arms on seeds {arm_seeds[0]}-{arm_seeds[-1]}: a difference between two arms of "
-              f"{summary['arms_power']['detectable'] * 100:.1f} pp or more is found with 80% power", flush=True)  # fmt: skip
-    for arm in (x for x in arms if x != "process"):
-        took += [train(setting, out / f"{arm}-seed{s}", s, common, tuple(pvo.ARMS[arm])) for s in arm_seeds]
-    if arms:
+              f"{plan['detectable'] * 100:.1f} pp or more is found with {plan['target']:.0%} power", flush=True)  # fmt: skip
+        for arm in (x for x in arms if x != "process"):
+            took += [train(setting, out / f"{arm}-seed{s}", s, common, tuple(pvo.ARMS[arm])) for s in arm_seeds]
         names = list(dict.fromkeys(["process", *arms]))
         arm_runs = {(arm, s): out / f"{arm}-seed{s}" for arm in names for s in arm_seeds}
         summary["arms"] = pvo.summarise(out, names, arm_seeds, arm_runs, name="arms.json")
